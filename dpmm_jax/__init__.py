@@ -1,1 +1,17 @@
-"""dpmm_jax."""
+"""dpmm_jax: out-of-distribution detection with hierarchical Gaussian DPMMs in JAX.
+
+One-call API::
+
+    det = dpmm_jax.fit_detector(X, y, model="coupled")
+    s = dpmm_jax.score(det, X_test)                 # higher = more in-distribution
+    p = dpmm_jax.outlier_probability(det, X_test, alpha=1.0)
+    yhat = dpmm_jax.predict(det, X_test)
+
+The functional layer (``stats``, ``preprocess``, ``conjugate.niw``/``nix``, ``newton``,
+``em``, ``models.*``, ``scores``, ``metrics``) stays public for composing in JAX code.
+"""
+from dpmm_jax.api import (DPMM_MODELS, MODELS, Detector, FitReport, class_scores,
+                          fit_detector, fit_detector_with_info, outlier_probability,
+                          predict, score)
+
+__version__ = "0.1.0"

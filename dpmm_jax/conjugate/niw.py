@@ -1,0 +1,181 @@
+"""Normal-inverse-Wishart family in the paper's parameterisation (appendix 13).
+
+Prior:  Sigma ~ IW(nu0, Psi0),  Psi0 = (nu0 - D - 1) Sigma0  (so E[Sigma] = Sigma0),
+        mu | Sigma ~ N(mu0, Sigma / kappa0).
+Symbols: nu = ``df``, Psi = ``scale``, kappa = ``mean_concentration``, mu = ``loc``.
+All functions broadcast over leading (class) axes. ``nix`` has the same function names.
+"""
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.scipy.linalg import cho_solve
+
+from dpmm_jax import linalg
+from dpmm_jax import special
+from dpmm_jax import student_t
+
+_LOG_2PI = jnp.log(2.0 * jnp.pi)
+
+
+class NIW(NamedTuple):
+  """loc (..., D); mean_concentration (...,); df (...,); scale (..., D, D) = Psi."""
+  loc: jax.Array
+  mean_concentration: jax.Array
+  df: jax.Array
+  scale: jax.Array
+
+
+class Expectations(NamedTuple):
+  """Posterior expectations needed by the E-step.
+
+  precision: (..., D, D) E[Sigma^-1] = nu Psi^-1.
+  log_det_cov: (...,) E[log|Sigma|] = log|Psi| - psi_D(nu/2) - D log 2.
+  mahalanobis: (...,) E[(mu - mu0)^T Sigma^-1 (mu - mu0)] = D/kappa + nu d^T Psi^-1 d.
+  """
+  precision: jax.Array
+  log_det_cov: jax.Array
+  mahalanobis: jax.Array
+
+
+def prior(loc, mean_cov, df, mean_concentration) -> NIW:
+  """NIW prior with E[Sigma] = ``mean_cov`` (Sigma0); requires df > D + 1."""
+  dim = loc.shape[-1]
+  df = jnp.asarray(df, loc.dtype)
+  return NIW(loc, jnp.asarray(mean_concentration, loc.dtype), df,
+             (df - dim - 1.0)[..., None, None] * mean_cov)
+
+
+def posterior(prior_: NIW, count, mean, scatter) -> NIW:
+  """Conjugate update from centred statistics (exact in float32).
+
+  Psi' = Psi0 + S + kappa0 N / (kappa0 + N) (xbar - mu0)(xbar - mu0)^T.
+
+  Args:
+    prior_: NIW prior.
+    count: (K,) N_k; mean: (K, D) class means; scatter: (K, D, D) centred scatter.
+  Returns:
+    NIW with leading axis K.
+  """
+  kappa0, nu0 = prior_.mean_concentration, prior_.df
+  kappa = kappa0 + count
+  loc = (kappa0 * prior_.loc + count[:, None] * mean) / kappa[:, None]
+  diff = mean - prior_.loc
+  shrink = kappa0 * count / kappa
+  scale = (prior_.scale + scatter
+           + shrink[:, None, None] * diff[:, :, None] * diff[:, None, :])
+  return NIW(loc, kappa, nu0 + count, linalg.symmetrize(scale))
+
+
+def log_normalizer(niw: NIW, chol_scale=None):
+  """log Z = -D/2 log kappa + log Gamma_D(nu/2) + nu D/2 log 2 - nu/2 log|Psi|."""
+  dim = niw.loc.shape[-1]
+  if chol_scale is None:
+    chol_scale = jnp.linalg.cholesky(niw.scale)
+  return (-0.5 * dim * jnp.log(niw.mean_concentration)
+          + special.multigammaln(0.5 * niw.df, dim) + 0.5 * niw.df * dim * jnp.log(2.0)
+          - 0.5 * niw.df * linalg.chol_log_det(chol_scale))
+
+
+def log_marginal_likelihood(prior_: NIW, posterior_: NIW, count):
+  """(K,) log p(X_k) = log Z(posterior) - log Z(prior) - N_k D/2 log(2 pi)."""
+  dim = prior_.loc.shape[-1]
+  return (log_normalizer(posterior_) - log_normalizer(prior_)
+          - 0.5 * count * dim * _LOG_2PI)
+
+
+def expectations(niw: NIW, ref_loc) -> Expectations:
+  """E[Sigma^-1], E[log|Sigma|], E[(mu - ref)^T Sigma^-1 (mu - ref)] (note the D/kappa)."""
+  dim = niw.loc.shape[-1]
+  chol = jnp.linalg.cholesky(niw.scale)
+  eye = jnp.broadcast_to(jnp.eye(dim, dtype=niw.scale.dtype), niw.scale.shape)
+  precision = niw.df[..., None, None] * cho_solve((chol, True), eye)
+  log_det = (linalg.chol_log_det(chol) - special.multidigamma(0.5 * niw.df, dim)
+             - dim * jnp.log(2.0))
+  d = niw.loc - ref_loc
+  maha = dim / niw.mean_concentration + jnp.einsum("...i,...ij,...j->...", d, precision, d)
+  return Expectations(linalg.symmetrize(precision), log_det, maha)
+
+
+# --------------------------------------------------------------- M-step for nu0 (df)
+def df_statistic(posterior_: NIW, mean_cov):
+  """Per-class term t_k of the nu0 objective, in a cancellation-free form.
+
+  With c_k = log|Sigma0| - E log|Sigma_k| - tr(Sigma0 E[Sigma_k^-1]) (paper, app. 13.1),
+  t_k = c_k + D = [log|B_k| - tr B_k + D] - [D log(nu'/2) - psi_D(nu'/2)],
+  B_k = nu'_k Sigma0 Psi'_k^-1. Both brackets vanish in the tied limit, so the nu0
+  derivative stays accurate there.
+
+  Args:
+    posterior_: NIW with leading axis K.
+    mean_cov: (D, D) Sigma0.
+  Returns:
+    (K,) t_k.
+  """
+  dim = mean_cov.shape[-1]
+  nu = posterior_.df
+  chol = jnp.linalg.cholesky(posterior_.scale)
+  log_det_b = (dim * jnp.log(nu) + linalg.chol_log_det(jnp.linalg.cholesky(mean_cov))
+               - linalg.chol_log_det(chol))
+  trace_b = nu * linalg.chol_trace_solve(chol, jnp.broadcast_to(mean_cov, chol.shape))
+  i = jnp.arange(dim, dtype=nu.dtype)
+  z = 0.5 * (nu[..., None] - i)
+  digamma_gap = jnp.sum(special.log_minus_digamma(z) - jnp.log1p(-i / nu[..., None]), -1)
+  return log_det_b - trace_b + dim - digamma_gap
+
+
+def df_objective(df, stat_sum, num_classes, dim):
+  """L(nu0) = K[nu0 D/2 log((nu0-D-1)/2) - log Gamma_D(nu0/2)] + nu0/2 sum_k (t_k - D).
+
+  Direct (not cancellation-free) form of the paper's objective, used for checking the
+  derivatives and for reporting.
+  """
+  return (num_classes * (0.5 * df * dim * jnp.log(0.5 * (df - dim - 1.0))
+                         - special.multigammaln(0.5 * df, dim))
+          + 0.5 * df * (stat_sum - num_classes * dim))
+
+
+def df_derivatives(df, stat_sum, num_classes, dim):
+  """First and second derivative of ``df_objective`` in the stable form.
+
+  L'  = K/2 [sum_i (g(z_i) + log(1 - (D+2-i)/(nu-i+1))) + D(D+1)/(nu-D-1)] + sum_k t_k / 2
+  L'' = K/4 sum_i [h(z_i) + 2(D+2-i)/((nu-D-1)(nu-i+1))] - K D (D+1) / (2 (nu-D-1)^2)
+  with z_i = (nu - i + 1)/2, g = log - digamma, h = 1/z - trigamma, i = 1..D.
+  """
+  i = jnp.arange(1, dim + 1, dtype=jnp.result_type(df, float))
+  nu = jnp.asarray(df)[..., None]
+  z = 0.5 * (nu - i + 1.0)
+  excess = nu[..., 0] - dim - 1.0
+  grad = (0.5 * num_classes * (jnp.sum(special.log_minus_digamma(z)
+                                       + jnp.log1p(-(dim + 2.0 - i) / (nu - i + 1.0)), -1)
+                               + dim * (dim + 1.0) / excess)
+          + 0.5 * stat_sum)
+  hess = (0.25 * num_classes * jnp.sum(special.inv_minus_trigamma(z)
+                                       + 2.0 * (dim + 2.0 - i) / ((nu - dim - 1.0)
+                                                                  * (nu - i + 1.0)), -1)
+          - 0.5 * num_classes * dim * (dim + 1.0) / excess ** 2)
+  return grad, hess
+
+
+# ------------------------------------------------------------------------ predictive
+class Predictive(NamedTuple):
+  """Multivariate Student-t: df (...,), loc (..., D), chol_scale (..., D, D), log_norm."""
+  df: jax.Array
+  loc: jax.Array
+  chol_scale: jax.Array
+  log_normalizer: jax.Array
+
+
+def predictive(niw: NIW) -> Predictive:
+  """St(nu - D + 1, mu, (kappa + 1) / (kappa (nu - D + 1)) Psi) (not nu dof: a known trap)."""
+  dim = niw.loc.shape[-1]
+  df = niw.df - dim + 1.0
+  factor = (niw.mean_concentration + 1.0) / (niw.mean_concentration * df)
+  chol = jnp.linalg.cholesky(factor[..., None, None] * niw.scale)
+  return Predictive(df, niw.loc, chol, student_t.mvt_log_normalizer(df, chol))
+
+
+def log_predictive(niw: NIW, x):
+  """(M,) predictive log density of one (unbatched) NIW at points x (M, D)."""
+  pred = predictive(niw)
+  return student_t.mvt_log_density(x, pred.df, pred.loc, pred.chol_scale)

@@ -1,0 +1,220 @@
+"""Coupled-diagonal hierarchical DPMM (paper, section 5.3 and app. 15).
+
+A per-class scale gamma_k ~ Gamma(alpha0, rate alpha0) multiplies the prior variances of
+every dimension: sigma^2_{k,d} ~ scaled-inv-chi^2(nu0_d, gamma_k s0_d^2). Given gamma_k
+the model is the diagonal model, so everything reuses ``nix`` and the diagonal model's
+M-step; gamma_k is integrated out by quadrature in u = log gamma on a grid centred on
+each class's posterior mode (``quadrature``).
+
+The log posterior of u is concave, with (A_d = nu0_d s0_d^2, R_kd the data part of
+nu' s'^2, q = A e^u / (A e^u + R)):
+  l'(u)  = alpha0 (1 - e^u) + sum_d (nu0_d - nu'_kd q_kd) / 2,
+  l''(u) = -alpha0 e^u - sum_d nu'_kd q_kd (1 - q_kd) / 2 < 0,
+so a damped Newton iteration finds the mode and l'' gives the Laplace width.
+"""
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from dpmm_jax import blocks
+from dpmm_jax import em
+from dpmm_jax import newton
+from dpmm_jax import quadrature
+from dpmm_jax import special
+from dpmm_jax import stats as stats_lib
+from dpmm_jax import student_t
+from dpmm_jax.conjugate import nix
+from dpmm_jax.models import diag
+
+# Mode search in u = log gamma: bounds, step clip, tolerance and cap.
+_U_BOUND = 30.0
+_MAX_U_STEP = 2.0
+_MODE_TOL = 1e-6
+_MODE_MAX_ITER = 100
+
+
+class Hyper(NamedTuple):
+  """Diagonal hyperparameters (D,) plus gamma_shape () alpha0."""
+  loc: jax.Array
+  var: jax.Array
+  df: jax.Array
+  mean_concentration: jax.Array
+  gamma_shape: jax.Array
+
+
+class QuadratureOptions(NamedTuple):
+  """Nodes and half-widths (in Laplace standard deviations) of the grids."""
+  em_nodes: int = 25
+  em_half_width: float = 12.0
+  score_nodes: int = 13
+  score_half_width: float = 6.0
+  prior_nodes: int = 129
+
+
+class Params(NamedTuple):
+  """hyper; class_df, class_loc (K, D); class_scale_sq (K, P, D) predictive squared
+  scales per node; class_log_weights (K, P); prior_log_weights (P0,) and prior_gamma
+  (P0,) of the prior grid; log_counts (K,)."""
+  hyper: Hyper
+  class_df: jax.Array
+  class_loc: jax.Array
+  class_scale_sq: jax.Array
+  class_log_weights: jax.Array
+  prior_log_weights: jax.Array
+  prior_gamma: jax.Array
+  log_counts: jax.Array
+
+
+def init_hyper(stats, df=None, mean_concentration=None, gamma_shape=None) -> Hyper:
+  base = diag.init_hyper(stats, df, mean_concentration)
+  gamma_shape = 10.0 if gamma_shape is None else gamma_shape
+  return Hyper(*base, jnp.asarray(gamma_shape, stats.mean.dtype))
+
+
+def _as_diag(hyper: Hyper) -> diag.Hyper:
+  return diag.Hyper(hyper.loc, hyper.var, hyper.df, hyper.mean_concentration)
+
+
+def _data_part(hyper: Hyper, stats):
+  """(R (K, D), nu' (K, D)): nu' s'^2 = nu0 gamma s0^2 + R."""
+  base = nix.posterior(nix.prior(hyper.loc, jnp.zeros_like(hyper.var), hyper.df,
+                                 hyper.mean_concentration),
+                       stats.count, stats.mean, stats.sq_dev)
+  return base.df * base.scale_sq, base.df
+
+
+def posterior_mode(hyper: Hyper, stats):
+  """(mode (K,), laplace_scale (K,), converged ()) of the log posterior of u = log gamma_k."""
+  data, nu_post = _data_part(hyper, stats)
+  log_a = jnp.log(hyper.df * hyper.var)
+  log_r = jnp.log(data)  # -inf where a class has no spread: then q = 1
+  alpha = hyper.gamma_shape
+
+  def derivatives(u):
+    q = jax.nn.sigmoid(u[:, None] + log_a - log_r)
+    grad = alpha * (1.0 - jnp.exp(u)) + 0.5 * jnp.sum(hyper.df - nu_post * q, -1)
+    hess = -alpha * jnp.exp(u) - 0.5 * jnp.sum(nu_post * q * (1.0 - q), -1)
+    return grad, hess
+
+  def body(carry):
+    u, _, it = carry
+    grad, hess = derivatives(u)
+    step = jnp.clip(-grad / hess, -_MAX_U_STEP, _MAX_U_STEP)
+    new_u = jnp.clip(u + step, -_U_BOUND, _U_BOUND)
+    return new_u, jnp.max(jnp.abs(new_u - u)), it + 1
+
+  def cond(carry):
+    _, change, it = carry
+    return (change > _MODE_TOL) & (it < _MODE_MAX_ITER)
+
+  u0 = jnp.zeros(stats.count.shape, stats.mean.dtype)
+  u, change, _ = jax.lax.while_loop(cond, body, (u0, jnp.array(jnp.inf, u0.dtype),
+                                                 jnp.array(0, jnp.int32)))
+  _, hess = derivatives(u)
+  return u, 1.0 / jnp.sqrt(-hess), change <= _MODE_TOL
+
+
+def _node_posteriors(hyper: Hyper, stats, gamma):
+  """NIX prior and posterior for every class and node: fields (K, P, D)."""
+  prior = nix.prior(hyper.loc, gamma[..., None] * hyper.var, hyper.df,
+                    hyper.mean_concentration)
+  post = nix.posterior(prior, stats.count[:, None], stats.mean[:, None, :],
+                       stats.sq_dev[:, None, :])
+  return prior, post
+
+
+def class_log_joint(hyper: Hyper, stats, u):
+  """(K, P) log p(u_kp) + log p(X_k | gamma = e^u_kp), the integrand over u."""
+  prior, post = _node_posteriors(hyper, stats, jnp.exp(u))
+  log_lik = jnp.sum(nix.log_marginal_likelihood(prior, post, stats.count[:, None]), -1)
+  return quadrature.log_gamma_density_of_log(u, hyper.gamma_shape) + log_lik
+
+
+def class_grid(hyper: Hyper, stats, num_nodes: int, half_width: float):
+  mode, scale, _ = posterior_mode(hyper, stats)
+  return quadrature.centred_grid(mode, scale, num_nodes, half_width)
+
+
+def log_marginal_likelihood(hyper: Hyper, stats, options=QuadratureOptions()):
+  grid = class_grid(hyper, stats, options.em_nodes, options.em_half_width)
+  return jnp.sum(quadrature.log_integral(grid, class_log_joint(hyper, stats, grid.nodes)))
+
+
+def gamma_shape_derivatives(shape, stat_sum, num_classes):
+  """L(a) = K [a log a - lgamma a] + a sum_k (E log g_k - E g_k) (paper 15.5):
+  L' = K g(a) + sum_k E[log g - g + 1], L'' = K h(a) (g = log - digamma, h = 1/a - trigamma)."""
+  return (num_classes * special.log_minus_digamma(shape) + stat_sum,
+          num_classes * special.inv_minus_trigamma(shape))
+
+
+def em_step(hyper: Hyper, stats, *, df_cap=1e6, shape_cap=1e6,
+            options=QuadratureOptions()):
+  grid = class_grid(hyper, stats, options.em_nodes, options.em_half_width)
+  weights = jnp.exp(quadrature.normalized_log_weights(
+      grid, class_log_joint(hyper, stats, grid.nodes)))                # (K, P)
+  gamma = jnp.exp(grid.nodes)
+  _, post = _node_posteriors(hyper, stats, gamma)
+  kappa0, df, df_info = diag.update_concentrations(
+      hyper, weights, post, gamma[..., None] * hyper.var, stats.num_classes, df_cap=df_cap)
+  # E[log g - g + 1] = E[u - expm1(u)], cancellation-free near gamma = 1.
+  shape_stat = jnp.sum(weights * (grid.nodes - jnp.expm1(grid.nodes)))
+  shape, shape_info = newton.maximize(
+      functools.partial(gamma_shape_derivatives, stat_sum=shape_stat,
+                        num_classes=stats.num_classes), hyper.gamma_shape, upper=shape_cap)
+  new = Hyper(hyper.loc, hyper.var, df, kappa0, shape)
+  return new, em.merge_newton_info(df_info, shape_info)
+
+
+def fit_hyper(stats, *, df=None, mean_concentration=None, gamma_shape=None, tol=1e-6,
+              max_iter=100, df_cap=1e6, options=QuadratureOptions()):
+  step = functools.partial(em_step, df_cap=df_cap, options=options)
+  lml = functools.partial(log_marginal_likelihood, options=options)
+  return em.run(step, lml, init_hyper(stats, df, mean_concentration, gamma_shape), stats,
+                tol=tol, max_iter=max_iter)
+
+
+def params_from_hyper(hyper: Hyper, stats, options=QuadratureOptions()) -> Params:
+  grid = class_grid(hyper, stats, options.score_nodes, options.score_half_width)
+  log_w = quadrature.normalized_log_weights(grid, class_log_joint(hyper, stats, grid.nodes))
+  _, post = _node_posteriors(hyper, stats, jnp.exp(grid.nodes))
+  df, loc, scale_sq = nix.predictive(post)                          # (K, P, D)
+  prior_grid = quadrature.gamma_prior_grid(hyper.gamma_shape, options.prior_nodes)
+  prior_log_w = quadrature.normalized_log_weights(
+      prior_grid, quadrature.log_gamma_density_of_log(prior_grid.nodes, hyper.gamma_shape))
+  return Params(hyper, df[:, 0], loc[:, 0], scale_sq, log_w, prior_log_w,
+                jnp.exp(prior_grid.nodes), jnp.log(stats.count))
+
+
+def fit(stats, options=QuadratureOptions(), **kwargs):
+  hyper, info = fit_hyper(stats, options=options, **kwargs)
+  return params_from_hyper(hyper, stats, options), info
+
+
+def scale_mixture_log_density(x, df, loc, scale_sq, log_weights):
+  """log sum_p w_p prod_d St(x_d | df_d, loc_d, scale_sq_pd).
+
+  Args:
+    x: (M, D); df, loc: (..., D); scale_sq: (..., P, D); log_weights: (..., P).
+  Returns:
+    (M, ...) log densities.
+  """
+  xe = x.reshape(x.shape[:1] + (1,) * (loc.ndim - 1) + x.shape[1:])[..., None, :]
+  lp = student_t.product_t_log_density(xe, df[..., None, :], loc[..., None, :], scale_sq)
+  return jax.nn.logsumexp(lp + log_weights, axis=-1)
+
+
+def log_predictive(params: Params, x):
+  """(class (M, K) log p(x | D_k), prior (M,) log p(x))."""
+  num_classes, num_nodes, dim = params.class_scale_sq.shape
+  size = blocks.class_block_size(x.shape[0], num_classes, num_nodes * dim)
+  class_lp = blocks.map_class_blocks(
+      lambda c: scale_mixture_log_density(x, *c),
+      (params.class_df, params.class_loc, params.class_scale_sq, params.class_log_weights),
+      size)
+  h = params.hyper
+  df, loc, scale_sq = nix.predictive(nix.prior(h.loc, h.var, h.df, h.mean_concentration))
+  prior_scale_sq = params.prior_gamma[:, None] * scale_sq           # (P0, D)
+  prior_lp = scale_mixture_log_density(x, df, loc, prior_scale_sq, params.prior_log_weights)
+  return class_lp, prior_lp

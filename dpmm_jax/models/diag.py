@@ -1,0 +1,126 @@
+"""Hierarchical Gaussian DPMM with diagonal covariances and NIX priors (paper, app. 14).
+
+Every dimension has its own prior (mu0_d, s0_d^2, nu0_d, kappa0_d); EM learns kappa0_d in
+closed form and nu0_d by a vectorised generalized Newton step.
+"""
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from dpmm_jax import blocks
+from dpmm_jax import em
+from dpmm_jax import newton
+from dpmm_jax import stats as stats_lib
+from dpmm_jax import student_t
+from dpmm_jax.conjugate import nix
+
+
+class Hyper(NamedTuple):
+  """loc (D,) mu0; var (D,) s0^2; df (D,) nu0; mean_concentration (D,) kappa0."""
+  loc: jax.Array
+  var: jax.Array
+  df: jax.Array
+  mean_concentration: jax.Array
+
+
+class Params(NamedTuple):
+  """hyper; class predictive (df, loc, scale_sq) each (K, D); log_counts (K,)."""
+  hyper: Hyper
+  class_df: jax.Array
+  class_loc: jax.Array
+  class_scale_sq: jax.Array
+  log_counts: jax.Array
+
+
+def init_hyper(stats: stats_lib.SufficientStats, df=None, mean_concentration=None) -> Hyper:
+  """mu0 = global mean, s0^2 = pooled within-class variances, nu0 ~ mean N_k, kappa0 small."""
+  dim, dtype = stats.dim, stats.mean.dtype
+  df = jnp.mean(stats.count) if df is None else df
+  mean_concentration = 1e-3 if mean_concentration is None else mean_concentration
+  return Hyper(stats_lib.global_mean(stats), stats_lib.pooled_variance(stats),
+               jnp.broadcast_to(jnp.asarray(df, dtype), (dim,)),
+               jnp.broadcast_to(jnp.asarray(mean_concentration, dtype), (dim,)))
+
+
+def _prior(hyper: Hyper) -> nix.NIX:
+  return nix.prior(hyper.loc, hyper.var, hyper.df, hyper.mean_concentration)
+
+
+def _posterior(hyper: Hyper, stats):
+  return nix.posterior(_prior(hyper), stats.count, stats.mean, stats.sq_dev)
+
+
+def update_concentrations(hyper, posterior_weights, post, prior_scale_sq, num_classes, *,
+                          df_cap=1e6, newton_tol=1e-6, newton_max_iter=100):
+  """M-step shared with the coupled model.
+
+  Args:
+    hyper: current hyperparameters (for loc and the Newton starting point).
+    posterior_weights: weights over the quadrature axis of ``post`` ((K, P) for the
+      coupled model) or None (diagonal model, ``post`` is (K, D)).
+    post: NIX posterior, (K, D) or (K, P, D).
+    prior_scale_sq: s0^2 (broadcast like ``post``), times gamma for the coupled model.
+  Returns:
+    (kappa0 (D,), nu0 (D,), NewtonInfo).
+  """
+  maha = nix.expectations(post, hyper.loc).mahalanobis
+  stat = nix.df_statistic(post, prior_scale_sq)
+  if posterior_weights is not None:
+    maha = jnp.einsum("kp,kpd->kd", posterior_weights, maha)
+    stat = jnp.einsum("kp,kpd->kd", posterior_weights, stat)
+  kappa0 = num_classes / jnp.sum(maha, 0)                           # paper 14.2
+  derivs = functools.partial(nix.df_derivatives, stat_sum=jnp.sum(stat, 0),
+                             num_classes=num_classes)
+  df, info = newton.maximize(derivs, hyper.df, upper=df_cap, tol=newton_tol,
+                             max_iter=newton_max_iter)
+  return kappa0, df, info
+
+
+def em_step(hyper: Hyper, stats, *, df_cap=1e6):
+  post = _posterior(hyper, stats)
+  kappa0, df, info = update_concentrations(hyper, None, post, hyper.var, stats.num_classes,
+                                           df_cap=df_cap)
+  return hyper._replace(df=df, mean_concentration=kappa0), info
+
+
+def log_marginal_likelihood(hyper: Hyper, stats):
+  return jnp.sum(nix.log_marginal_likelihood(_prior(hyper), _posterior(hyper, stats),
+                                             stats.count))
+
+
+def fit_hyper(stats, *, df=None, mean_concentration=None, tol=1e-6, max_iter=100,
+              df_cap=1e6):
+  step = functools.partial(em_step, df_cap=df_cap)
+  return em.run(step, log_marginal_likelihood, init_hyper(stats, df, mean_concentration),
+                stats, tol=tol, max_iter=max_iter)
+
+
+def params_from_hyper(hyper: Hyper, stats) -> Params:
+  df, loc, scale_sq = nix.predictive(_posterior(hyper, stats))
+  return Params(hyper, df, loc, scale_sq, jnp.log(stats.count))
+
+
+def fit(stats, **options):
+  """(Params, EMInfo)."""
+  hyper, info = fit_hyper(stats, **options)
+  return params_from_hyper(hyper, stats), info
+
+
+def product_t_block(x, per_class):
+  """(M, kb) sum_d log St(x_d | df, loc, scale_sq) for a block of classes."""
+  df, loc, scale_sq = per_class
+  return student_t.product_t_log_density(x[:, None, :], df[None], loc[None],
+                                         scale_sq[None])
+
+
+def log_predictive(params: Params, x):
+  """(class (M, K) log p(x | D_k), prior (M,) log p(x))."""
+  num_classes, dim = params.class_loc.shape
+  size = blocks.class_block_size(x.shape[0], num_classes, dim)
+  class_lp = blocks.map_class_blocks(
+      functools.partial(product_t_block, x),
+      (params.class_df, params.class_loc, params.class_scale_sq), size)
+  df, loc, scale_sq = nix.predictive(_prior(params.hyper))
+  return class_lp, student_t.product_t_log_density(x, df, loc, scale_sq)
