@@ -99,3 +99,15 @@ def positive(value, name):
   if not np.isfinite(value) or value <= 0:
     raise ValueError(f"{name} must be a positive finite number, got {value}.")
   return value
+
+
+def positive_or_none(value, name):
+  if value is not None:
+    positive(float(value), name)
+  return value
+
+
+def em_options(tol, max_iter):
+  positive(float(tol), "tol")
+  if int(max_iter) != max_iter or max_iter < 1:
+    raise ValueError(f"max_iter must be a positive integer, got {max_iter}.")

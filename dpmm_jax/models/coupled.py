@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from dpmm_jax import blocks
+from dpmm_jax import validation as checks
 from dpmm_jax import em
 from dpmm_jax import newton
 from dpmm_jax import quadrature
@@ -187,9 +188,22 @@ def params_from_hyper(hyper: Hyper, stats, options=QuadratureOptions()) -> Param
                 jnp.exp(prior_grid.nodes), jnp.log(stats.count))
 
 
-def fit(stats, options=QuadratureOptions(), **kwargs):
-  hyper, info = fit_hyper(stats, options=options, **kwargs)
+@functools.partial(jax.jit, static_argnames=("max_iter", "options"))
+def _fit(stats, df, mean_concentration, gamma_shape, tol, max_iter, df_cap, options):
+  hyper, info = fit_hyper(stats, df=df, mean_concentration=mean_concentration,
+                          gamma_shape=gamma_shape, tol=tol, max_iter=max_iter,
+                          df_cap=df_cap, options=options)
   return params_from_hyper(hyper, stats, options), info
+
+
+def fit(stats, *, df=None, mean_concentration=None, gamma_shape=None, tol=1e-6,
+        max_iter=100, df_cap=1e6, options=QuadratureOptions()):
+  """Fits by EM (one compilation per shape and options): (Params, EMInfo)."""
+  checks.em_options(tol, max_iter)
+  checks.positive_or_none(df, "df")
+  checks.positive_or_none(mean_concentration, "mean_concentration")
+  checks.positive_or_none(gamma_shape, "gamma_shape")
+  return _fit(stats, df, mean_concentration, gamma_shape, tol, max_iter, df_cap, options)
 
 
 def scale_mixture_log_density(x, df, loc, scale_sq, log_weights):

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from dpmm_jax import blocks
+from dpmm_jax import validation as checks
 from dpmm_jax import em
 from dpmm_jax import newton
 from dpmm_jax import stats as stats_lib
@@ -102,10 +103,19 @@ def params_from_hyper(hyper: Hyper, stats) -> Params:
   return Params(hyper, df, loc, scale_sq, jnp.log(stats.count))
 
 
-def fit(stats, **options):
-  """(Params, EMInfo)."""
-  hyper, info = fit_hyper(stats, **options)
+@functools.partial(jax.jit, static_argnames=("max_iter",))
+def _fit(stats, df, mean_concentration, tol, max_iter, df_cap):
+  hyper, info = fit_hyper(stats, df=df, mean_concentration=mean_concentration, tol=tol,
+                          max_iter=max_iter, df_cap=df_cap)
   return params_from_hyper(hyper, stats), info
+
+
+def fit(stats, *, df=None, mean_concentration=None, tol=1e-6, max_iter=100, df_cap=1e6):
+  """Fits by EM (one compilation per shape): (Params, EMInfo)."""
+  checks.em_options(tol, max_iter)
+  checks.positive_or_none(df, "df")
+  checks.positive_or_none(mean_concentration, "mean_concentration")
+  return _fit(stats, df, mean_concentration, tol, max_iter, df_cap)
 
 
 def product_t_block(x, per_class):

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jax.scipy.linalg import cho_solve, solve_triangular
 
 from dpmm_jax import blocks
+from dpmm_jax import validation as checks
 from dpmm_jax import em
 from dpmm_jax import newton
 from dpmm_jax import stats as stats_lib
@@ -93,12 +94,28 @@ def params_from_hyper(hyper: Hyper, stats) -> Params:
                 jnp.log(stats.count))
 
 
-def fit(stats, **options):
-  """Fits hyperparameters by EM and precomputes the predictives: (Params, EMInfo)."""
+@functools.partial(jax.jit, static_argnames=("max_iter",))
+def _fit(stats, df, mean_concentration, tol, max_iter, df_cap):
+  hyper, info = fit_hyper(stats, df=df, mean_concentration=mean_concentration, tol=tol,
+                          max_iter=max_iter, df_cap=df_cap)
+  return params_from_hyper(hyper, stats), info
+
+
+def fit(stats, *, df=None, mean_concentration=None, tol=1e-6, max_iter=100, df_cap=1e6):
+  """Fits hyperparameters by EM and precomputes the predictives: (Params, EMInfo).
+
+  Raises:
+    ValueError: missing full statistics, or an initial df <= D + 1 (the NIW prior with
+      E[Sigma] = Sigma0 needs nu0 > D + 1).
+  """
   if stats.scatter is None:
     raise ValueError("The full-covariance model needs full statistics (full=True).")
-  hyper, info = fit_hyper(stats, **options)
-  return params_from_hyper(hyper, stats), info
+  checks.em_options(tol, max_iter)
+  if df is not None and not float(df) > stats.dim + 1:
+    raise ValueError(f"Initial df (nu0) must exceed D + 1 = {stats.dim + 1} for the NIW "
+                     f"prior with E[Sigma] = Sigma0; got {df}.")
+  checks.positive_or_none(mean_concentration, "mean_concentration")
+  return _fit(stats, df, mean_concentration, tol, max_iter, df_cap)
 
 
 def _mvt_block(x, pred: niw.Predictive):
