@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The whole test suite: the float32 pass, then the float64 pass in its own process
+# (x64 is switched on at import in tests/*_f64.py and never toggled inside a test),
+# then tests that need several fake CPU devices (tests/*_multidevice.py), if any.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+workers="${PYTEST_WORKERS:-2}"
+python -m pytest tests --ignore-glob='*_f64.py' --ignore-glob='*_multidevice.py' -q -n "$workers" "$@"
+shopt -s nullglob
+f64=(tests/*_f64.py)
+if [ ${#f64[@]} -gt 0 ]; then
+  python -m pytest "${f64[@]}" -q -n "$workers" "$@"
+fi
+multi=(tests/*_multidevice.py)
+if [ ${#multi[@]} -gt 0 ]; then
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m pytest "${multi[@]}" -q "$@"
+fi
