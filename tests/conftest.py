@@ -1,0 +1,31 @@
+"""Shared test configuration.
+
+Float64 tests live in ``tests/*_f64.py`` and switch ``jax_enable_x64`` on when they are
+imported, i.e. at collection time. A pytest session that collects one of them together
+with float32 tests would silently run the float32 tests in float64 (their tolerances and
+the "naive float32 formula fails" checks then mean nothing), even when ``-k`` later
+deselects the f64 file. ``tests/run_all.sh`` runs the passes in separate processes; this
+hook turns an accidental mixed session into a clear error instead of wrong results.
+"""
+import os
+
+import jax
+import pytest
+
+
+def _is_f64_file(path) -> bool:
+  return os.path.basename(str(path)).endswith("_f64.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+  del session
+  if not jax.config.jax_enable_x64:
+    return
+  float32_files = sorted({str(item.path) for item in items if not _is_f64_file(item.path)})
+  if float32_files:
+    raise pytest.UsageError(
+        "jax_enable_x64 was switched on during collection (by a tests/*_f64.py module) but "
+        f"float32 test files were collected in the same session: {float32_files[:3]}... "
+        "Run the float64 files in their own process, e.g. "
+        "`pytest tests --ignore-glob='*_f64.py'` and then `pytest tests/*_f64.py` "
+        "(tests/run_all.sh does this).")
