@@ -59,7 +59,8 @@ def posterior(prior_: NIW, count, mean, scatter) -> NIW:
   """
   kappa0, nu0 = prior_.mean_concentration, prior_.df
   kappa = kappa0 + count
-  loc = (kappa0 * prior_.loc + count[:, None] * mean) / kappa[:, None]
+  # kappa0 may be a scalar or (K,) (a posterior used as the prior of more data).
+  loc = (jnp.asarray(kappa0)[..., None] * prior_.loc + count[:, None] * mean) / kappa[:, None]
   diff = mean - prior_.loc
   shrink = kappa0 * count / kappa
   scale = (prior_.scale + scatter
