@@ -36,6 +36,15 @@ def multitrigamma(a, dim: int):
   return jnp.sum(jsp.polygamma(1, a[..., None] + offsets), axis=-1)
 
 
+def _series_or_direct(z, series, direct):
+  """Evaluates ``series(1/z)`` for z >= threshold and ``direct(z)`` below it, feeding
+  each branch only arguments from its own range (no NaN leaks through ``where``)."""
+  z = jnp.asarray(z)
+  inv = 1.0 / jnp.maximum(z, _SERIES_THRESHOLD)
+  return jnp.where(z >= _SERIES_THRESHOLD, series(inv),
+                   direct(jnp.minimum(z, _SERIES_THRESHOLD)))
+
+
 def log_minus_digamma(z):
   """log(z) - digamma(z) > 0, stable for large z (it behaves like 1/(2z)).
 
@@ -44,15 +53,11 @@ def log_minus_digamma(z):
   Returns:
     Array of the same shape.
   """
-  z = jnp.asarray(z)
-  safe_big = jnp.maximum(z, _SERIES_THRESHOLD)
-  inv = 1.0 / safe_big
-  inv2 = inv * inv
-  series = inv * (0.5 + inv * (1.0 / 12 + inv2 * (-1.0 / 120 + inv2 * (
-      1.0 / 252 + inv2 * (-1.0 / 240)))))
-  safe_small = jnp.minimum(z, _SERIES_THRESHOLD)
-  direct = jnp.log(safe_small) - jsp.digamma(safe_small)
-  return jnp.where(z >= _SERIES_THRESHOLD, series, direct)
+  def series(inv):
+    inv2 = inv * inv
+    return inv * (0.5 + inv * (1.0 / 12 + inv2 * (-1.0 / 120 + inv2 * (
+        1.0 / 252 + inv2 * (-1.0 / 240)))))
+  return _series_or_direct(z, series, lambda s: jnp.log(s) - jsp.digamma(s))
 
 
 def inv_minus_trigamma(z):
@@ -63,12 +68,8 @@ def inv_minus_trigamma(z):
   Returns:
     Array of the same shape.
   """
-  z = jnp.asarray(z)
-  safe_big = jnp.maximum(z, _SERIES_THRESHOLD)
-  inv = 1.0 / safe_big
-  inv2 = inv * inv
-  series = -inv2 * (0.5 + inv * (1.0 / 6 + inv2 * (-1.0 / 30 + inv2 * (
-      1.0 / 42 + inv2 * (-1.0 / 30)))))
-  safe_small = jnp.minimum(z, _SERIES_THRESHOLD)
-  direct = 1.0 / safe_small - jsp.polygamma(1, safe_small)
-  return jnp.where(z >= _SERIES_THRESHOLD, series, direct)
+  def series(inv):
+    inv2 = inv * inv
+    return -inv2 * (0.5 + inv * (1.0 / 6 + inv2 * (-1.0 / 30 + inv2 * (
+        1.0 / 42 + inv2 * (-1.0 / 30)))))
+  return _series_or_direct(z, series, lambda s: 1.0 / s - jsp.polygamma(1, s))
