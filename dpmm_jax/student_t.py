@@ -1,11 +1,53 @@
 """Student-t log densities: multivariate (via a Cholesky factor) and product of univariate.
 
 ``jax.scipy.stats`` has no multivariate Student-t, so the library owns this density. Both
-functions use ``log1p`` so that far-away points keep finite log densities.
+functions use ``log1p`` so that far-away points keep finite log densities, and
+``t_log_normalizer`` so that huge degrees of freedom (the tied limit, nu0 at its cap of
+1e6) keep an accurate normaliser.
 """
 import jax.numpy as jnp
 from jax.scipy import special as jsp
 from jax.scipy.linalg import solve_triangular
+
+# Above this half-df the normaliser uses Stirling's series (truncation error < 1e-12).
+_STIRLING_THRESHOLD = 10.0
+
+
+def _stirling_remainder(z):
+  """lgamma(z) - [(z - 1/2) log z - z + log(2 pi)/2] for z >= 10."""
+  inv = 1.0 / z
+  inv2 = inv * inv
+  return inv * (1.0 / 12 + inv2 * (-1.0 / 360 + inv2 * (1.0 / 1260 - inv2 / 1680)))
+
+
+def t_log_normalizer(df, dim):
+  """lgamma((df + D)/2) - lgamma(df/2) - D/2 log(df pi), accurate for any df > 0.
+
+  Why this exists: formed directly, the two log-gammas are ~ (df/2) log(df/2) each and
+  cancel; in float32 the result is off by 0.005 nats at df = 1e4, 0.1 at df = 1e6 and
+  0.6 at df = 1e7 per Student-t factor, which scrambles the scores once EM drives nu0
+  to its cap. With a = df/2 and h = D/2, Stirling's series gives
+  lgamma(a + h) - lgamma(a) - h log a = a [(1 + x) log1p(x) - x] - log1p(x)/2
+  + r(a + h) - r(a), x = h/a, whose terms are all small (absolute error ~ h eps).
+
+  Args:
+    df: positive degrees of freedom (any shape).
+    dim: D (number or array broadcastable with df; 1 for a univariate t).
+  Returns:
+    Array of the broadcast shape.
+  """
+  df = jnp.asarray(df)
+  a = 0.5 * df
+  h = 0.5 * jnp.asarray(dim, df.dtype)
+  big = a >= _STIRLING_THRESHOLD
+  a_big = jnp.where(big, a, _STIRLING_THRESHOLD)
+  x = h / a_big
+  excess_big = (a_big * ((1.0 + x) * jnp.log1p(x) - x) - 0.5 * jnp.log1p(x)
+                + _stirling_remainder(a_big + h) - _stirling_remainder(a_big))
+  a_small = jnp.where(big, 1.0, a)
+  excess_small = jsp.gammaln(a_small + h) - jsp.gammaln(a_small) - h * jnp.log(a_small)
+  # lgamma(a + h) - lgamma(a) - h log(2 a pi) = excess - h log(2 pi).
+  return jnp.where(big, excess_big, excess_small) - h * jnp.log(2.0 * jnp.pi)
 
 
 def mvt_log_normalizer(df, chol_scale):
@@ -19,8 +61,7 @@ def mvt_log_normalizer(df, chol_scale):
   """
   dim = chol_scale.shape[-1]
   half_log_det = jnp.sum(jnp.log(jnp.diagonal(chol_scale, axis1=-2, axis2=-1)), axis=-1)
-  return (jsp.gammaln(0.5 * (df + dim)) - jsp.gammaln(0.5 * df)
-          - 0.5 * dim * jnp.log(df * jnp.pi) - half_log_det)
+  return t_log_normalizer(df, dim) - half_log_det
 
 
 def mvt_log_density_from_mahalanobis(mahalanobis_sq, df, log_normalizer, dim: int):
@@ -55,8 +96,8 @@ def t_log_density(x, df, loc, scale_sq):
     log St(x | df, loc, scale_sq).
   """
   z = (x - loc) ** 2 / (df * scale_sq)
-  return (jsp.gammaln(0.5 * (df + 1.0)) - jsp.gammaln(0.5 * df)
-          - 0.5 * jnp.log(df * jnp.pi * scale_sq) - 0.5 * (df + 1.0) * jnp.log1p(z))
+  return (t_log_normalizer(df, 1.0) - 0.5 * jnp.log(scale_sq)
+          - 0.5 * (df + 1.0) * jnp.log1p(z))
 
 
 def product_t_log_density(x, df, loc, scale_sq):
