@@ -5,8 +5,22 @@ A model supplies two pure functions of (hyperparameters, statistics):
 M-step's Newton info) and ``log_marginal_likelihood``. The driver iterates them in a
 ``lax.while_loop`` until the relative change of the log marginal likelihood falls below
 ``tol`` or ``max_iter`` is reached, and records the trace.
+
+Concentrations whose optimum lies at infinity (``nu0`` when the class covariances are
+truly tied, ``kappa0`` when the class means vary no more than their noise) are approached
+by EM only linearly (``nu0`` grows by about ``N_k`` per iteration) while the log marginal
+likelihood flattens, so EM stops on the tolerance at an arbitrary finite value or runs
+into ``max_iter``. A model may therefore pass ``boundary``: at the first iteration that
+meets the tolerance, and every ``boundary_every`` iterations, it proposes moving each
+concentration onto its cap where the marginal likelihood still increases there (the KKT
+condition at an upper bound; by Fisher's identity the slope of the log marginal
+likelihood is the M-step's, which is computed without cancellation). If anything moves,
+one EM step is taken from the candidate within the same iteration and kept when its log
+marginal likelihood is not lower than the plain step's by more than the tolerance. EM
+then goes on from there: the other hyperparameters are re-estimated, and the Newton
+M-step, which starts at the cap, confirms it (``NewtonInfo.at_upper``).
 """
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +44,8 @@ class EMInfo(NamedTuple):
 
 
 def run(step: Callable, log_marginal_likelihood: Callable, init_hyper, stats, *,
-        tol: float = 1e-6, max_iter: int = 100):
+        tol: float = 1e-6, max_iter: int = 100, boundary: Optional[Callable] = None,
+        boundary_every: int = 10):
   """Runs EM to a relative tolerance on the log marginal likelihood.
 
   Args:
@@ -40,6 +55,13 @@ def run(step: Callable, log_marginal_likelihood: Callable, init_hyper, stats, *,
     stats: SufficientStats.
     tol: relative tolerance |L_t - L_{t-1}| <= tol * max(1, |L_t|).
     max_iter: iteration cap (static).
+    boundary: optional (hyper, stats) -> hyper that moves concentrations whose log
+      marginal likelihood still increases at their cap onto the cap (see module
+      docstring); tried at the first iteration that meets ``tol`` and every
+      ``boundary_every`` iterations (a slow climb towards a cap may never meet it). The
+      trace records the likelihood after an accepted boundary step, and ``converged``
+      still means that the last recorded change met ``tol``.
+    boundary_every: period (iterations) of the boundary attempts (static).
   Returns:
     (hyper, EMInfo).
   """
@@ -48,19 +70,44 @@ def run(step: Callable, log_marginal_likelihood: Callable, init_hyper, stats, *,
   _, newton0 = jax.eval_shape(step, init_hyper, stats)
   newton_init = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), newton0)
 
+  def small_change(new_lml, lml):
+    return jnp.abs(new_lml - lml) <= tol * jnp.maximum(1.0, jnp.abs(new_lml))
+
   def cond(carry):
-    _, _, _, it, converged, _ = carry
+    _, _, _, it, converged, _, _ = carry
     return (it < max_iter) & ~converged
 
+  def try_boundary(args):
+    hyper, lml, newton = args
+    candidate = boundary(hyper, stats)
+    moved = jnp.any(jnp.stack([jnp.any(a != b) for a, b in zip(
+        jax.tree_util.tree_leaves(candidate), jax.tree_util.tree_leaves(hyper))]))
+    # One EM step from the candidate re-estimates the other hyperparameters and confirms
+    # the cap (its Newton starts there and reports at_upper).
+    cand_hyper, cand_newton = step(candidate, stats)
+    cand_lml = log_marginal_likelihood(cand_hyper, stats)
+    accept = (moved & jnp.isfinite(cand_lml)
+              & (cand_lml >= lml - tol * jnp.maximum(1.0, jnp.abs(lml))))
+    pick = lambda a, b: jax.tree_util.tree_map(lambda u, v: jnp.where(accept, u, v), a, b)
+    return pick(cand_hyper, hyper), jnp.where(accept, cand_lml, lml), pick(cand_newton, newton)
+
   def body(carry):
-    hyper, lml, trace, it, _, _ = carry
+    hyper, lml, trace, it, _, _, tried = carry
     new_hyper, newton = step(hyper, stats)
     new_lml = log_marginal_likelihood(new_hyper, stats)
-    converged = jnp.abs(new_lml - lml) <= tol * jnp.maximum(1.0, jnp.abs(new_lml))
-    return new_hyper, new_lml, trace.at[it + 1].set(new_lml), it + 1, converged, newton
+    if boundary is not None:
+      small = small_change(new_lml, lml)
+      attempt = (small & ~tried) | ((it + 1) % boundary_every == 0)
+      new_hyper, new_lml, newton = jax.lax.cond(attempt, try_boundary, lambda args: args,
+                                                (new_hyper, new_lml, newton))
+      tried = tried | (attempt & small)
+    converged = small_change(new_lml, lml)
+    return (new_hyper, new_lml, trace.at[it + 1].set(new_lml), it + 1, converged, newton,
+            tried)
 
-  init = (init_hyper, lml0, trace, jnp.array(0, jnp.int32), jnp.array(False), newton_init)
-  hyper, _, trace, it, converged, newton = jax.lax.while_loop(cond, body, init)
+  init = (init_hyper, lml0, trace, jnp.array(0, jnp.int32), jnp.array(False), newton_init,
+          jnp.array(False))
+  hyper, _, trace, it, converged, newton, _ = jax.lax.while_loop(cond, body, init)
   return hyper, EMInfo(trace, it, converged, newton)
 
 

@@ -162,11 +162,6 @@ def test_small_class_mode_has_zero_finite_difference_slope():
   np.testing.assert_allclose(-1.0 / curv, float(scale[0]) ** 2, rtol=0.05)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Known float32 limitation: for N_k D ~ 3e5 the integrand is ~5e5 in size and carries "
-    "~1 nat of round-off per node, so the normalised node weights (and E[u]) are off by "
-    "0.1-1.4 posterior sd. Needs an integrand centred at the mode; float64 is exact (see "
-    "test_math_f64.py)."))
 def test_narrow_class_weights_in_float32_give_the_posterior_mean_of_u():
   rng = np.random.default_rng(5)
   hyper, st = make_class(rng, dtype=jnp.float32, **NARROW)

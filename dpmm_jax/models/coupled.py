@@ -128,8 +128,10 @@ def _node_posteriors(hyper: Hyper, stats, gamma):
 
 def class_log_joint(hyper: Hyper, stats, u):
   """(K, P) log p(u_kp) + log p(X_k | gamma = e^u_kp), the integrand over u."""
-  prior, post = _node_posteriors(hyper, stats, jnp.exp(u))
-  log_lik = jnp.sum(nix.log_marginal_likelihood(prior, post, stats.count[:, None]), -1)
+  prior = nix.prior(hyper.loc, jnp.exp(u)[..., None] * hyper.var, hyper.df,
+                    hyper.mean_concentration)
+  log_lik = jnp.sum(nix.log_evidence(prior, stats.count[:, None], stats.mean[:, None, :],
+                                     stats.sq_dev[:, None, :]), -1)
   return quadrature.log_gamma_density_of_log(u, hyper.gamma_shape) + log_lik
 
 
@@ -168,12 +170,33 @@ def em_step(hyper: Hyper, stats, *, df_cap=1e6, shape_cap=1e6,
   return new, em.merge_newton_info(df_info, shape_info)
 
 
+def tied_limit(hyper: Hyper, stats, *, df_cap=1e6, shape_cap=1e6,
+               kappa_cap=diag.KAPPA_CAP, options=QuadratureOptions()) -> Hyper:
+  """Boundary proposal for ``em.run`` (see ``diag.tied_limit``): nu0_d, kappa0_d and
+  alpha0 (all gamma_k = 1) move onto their caps where the slope there is positive."""
+  step = functools.partial(em_step, stats=stats, df_cap=df_cap, shape_cap=shape_cap,
+                           options=options)
+  at_df_cap = hyper._replace(df=jnp.full_like(hyper.df, df_cap))
+  df_up = step(at_df_cap)[0].df >= at_df_cap.df
+  at_kappa_cap = hyper._replace(
+      mean_concentration=jnp.full_like(hyper.mean_concentration, kappa_cap))
+  kappa_up = step(at_kappa_cap)[0].mean_concentration > at_kappa_cap.mean_concentration
+  at_shape_cap = hyper._replace(gamma_shape=jnp.asarray(shape_cap, hyper.gamma_shape.dtype))
+  shape_up = step(at_shape_cap)[0].gamma_shape >= at_shape_cap.gamma_shape
+  return hyper._replace(
+      df=jnp.where(df_up, at_df_cap.df, hyper.df),
+      mean_concentration=jnp.where(kappa_up, at_kappa_cap.mean_concentration,
+                                   hyper.mean_concentration),
+      gamma_shape=jnp.where(shape_up, at_shape_cap.gamma_shape, hyper.gamma_shape))
+
+
 def fit_hyper(stats, *, df=None, mean_concentration=None, gamma_shape=None, tol=1e-6,
               max_iter=100, df_cap=1e6, options=QuadratureOptions()):
   step = functools.partial(em_step, df_cap=df_cap, options=options)
   lml = functools.partial(log_marginal_likelihood, options=options)
   return em.run(step, lml, init_hyper(stats, df, mean_concentration, gamma_shape), stats,
-                tol=tol, max_iter=max_iter)
+                tol=tol, max_iter=max_iter,
+                boundary=functools.partial(tied_limit, df_cap=df_cap, options=options))
 
 
 def params_from_hyper(hyper: Hyper, stats, options=QuadratureOptions()) -> Params:

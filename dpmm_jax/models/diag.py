@@ -87,15 +87,37 @@ def em_step(hyper: Hyper, stats, *, df_cap=1e6):
 
 
 def log_marginal_likelihood(hyper: Hyper, stats):
-  return jnp.sum(nix.log_marginal_likelihood(_prior(hyper), _posterior(hyper, stats),
-                                             stats.count))
+  return jnp.sum(nix.log_evidence(_prior(hyper), stats.count, stats.mean, stats.sq_dev))
+
+
+# Cap used when moving kappa0 towards infinity (class means no more spread than noise).
+KAPPA_CAP = 1e6
+
+
+def tied_limit(hyper: Hyper, stats, *, df_cap=1e6, kappa_cap=KAPPA_CAP) -> Hyper:
+  """Boundary proposal for ``em.run``: moves nu0_d (kappa0_d) onto df_cap (kappa_cap)
+  where the log marginal likelihood still increases there. By Fisher's identity the
+  slope at a capped value is the M-step's: the Newton step for nu0 started at the cap
+  stays there exactly when the slope is positive, and the closed-form kappa0 exceeds the
+  cap exactly when its slope is positive."""
+  at_df_cap = hyper._replace(df=jnp.full_like(hyper.df, df_cap))
+  df_up = em_step(at_df_cap, stats, df_cap=df_cap)[0].df >= at_df_cap.df
+  at_kappa_cap = hyper._replace(
+      mean_concentration=jnp.full_like(hyper.mean_concentration, kappa_cap))
+  kappa_up = (em_step(at_kappa_cap, stats, df_cap=df_cap)[0].mean_concentration
+              > at_kappa_cap.mean_concentration)
+  return hyper._replace(
+      df=jnp.where(df_up, at_df_cap.df, hyper.df),
+      mean_concentration=jnp.where(kappa_up, at_kappa_cap.mean_concentration,
+                                   hyper.mean_concentration))
 
 
 def fit_hyper(stats, *, df=None, mean_concentration=None, tol=1e-6, max_iter=100,
               df_cap=1e6):
   step = functools.partial(em_step, df_cap=df_cap)
   return em.run(step, log_marginal_likelihood, init_hyper(stats, df, mean_concentration),
-                stats, tol=tol, max_iter=max_iter)
+                stats, tol=tol, max_iter=max_iter,
+                boundary=functools.partial(tied_limit, df_cap=df_cap))
 
 
 def params_from_hyper(hyper: Hyper, stats) -> Params:
