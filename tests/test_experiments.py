@@ -1,0 +1,174 @@
+"""Smoke tests of the experiment binaries at tiny sizes: each run(...) computes, saves its
+results, draws its figures from the saved files, and --plot_only redraws them."""
+import json
+import math
+import os
+
+from absl import flags
+import numpy as np
+import pytest
+
+from dpmm_jax import feature_files
+from experiments import benchmark, common, demo, dim_sweep, highdim, synthetic
+
+FEW_MODELS = ("rmds", "indep_rmds", "tied", "diag")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _parse_flags():
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS(["test"])
+
+
+def _png_ok(path):
+  assert os.path.getsize(path) > 5000, path
+  with open(path, "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_table():
+  res = demo.run(seeds=(0,), models=("rmds", "tied"), num_classes=3,
+                 num_train_per_class=6, num_test_per_class=4)
+  assert "| RMDS |" in res["table"] and "| DPMM tied |" in res["table"]
+  for m in ("rmds", "tied"):
+    auroc, _ = res["summary"][m]["auroc"]
+    assert 0.0 <= auroc <= 1.0
+
+
+def test_synthetic_smoke(tmp_path):
+  out = str(tmp_path)
+  res = synthetic.run(out, seeds=(0, 1), nu0_values=(4.0, 64.0), nk_values=(5,),
+                      models=FEW_MODELS, num_classes=3, num_test_per_class=5)
+  # 2 seeds x 3 settings x 4 models, no failures, valid metrics.
+  assert len(res["records"]) == 24
+  assert not [r for r in res["records"] if r["error"]]
+  for r in res["records"]:
+    assert 0.0 <= r["auroc"] <= 1.0 and 0.0 <= r["fpr95"] <= 1.0
+  # Paired difference of a model to itself is exactly zero.
+  rmds_rows = [r for r in res["summary"] if r["model"] == "rmds"]
+  assert all(r["dauroc_vs_rmds_mean"] == 0.0 for r in rmds_rows)
+  for name in ("synthetic.json", "synthetic_runs.csv", "synthetic_summary.csv",
+               "synthetic_summary.md", "synthetic_examples.npz"):
+    assert os.path.exists(os.path.join(out, name)), name
+  figs = ["synthetic_examples.png", "synthetic_scatter.png", "synthetic_nu0.png",
+          "synthetic_nk.png"]
+  for name in figs:
+    _png_ok(os.path.join(out, name))
+    os.remove(os.path.join(out, name))
+  # Figures redraw from the saved results alone.
+  paths = synthetic.plot_results(out)
+  assert sorted(os.path.basename(p) for p in paths) == sorted(figs)
+  saved = json.load(open(os.path.join(out, "synthetic.json")))
+  assert len(saved["records"]) == 24 and saved["config"]["nu0_values"] == [4.0, 64.0]
+
+
+def test_synthetic_summary_statistics():
+  recs = [dict(sweep="nu0", nu0=4.0, nk=20, seed=s, model=m, auroc=a, fpr95=0.5,
+               accuracy=0.9) for s, (a_r, a_t) in enumerate([(0.8, 0.9), (0.7, 0.75)])
+          for m, a in (("rmds", a_r), ("tied", a_t))]
+  rows = {r["model"]: r for r in synthetic.summarize(recs, ["rmds", "tied"])}
+  assert rows["tied"]["auroc_mean"] == pytest.approx(0.825)
+  assert rows["tied"]["auroc_se"] == pytest.approx(np.std([0.9, 0.75], ddof=1) / np.sqrt(2))
+  assert rows["tied"]["dauroc_vs_rmds_mean"] == pytest.approx(0.075)
+  assert math.isnan(rows["tied"]["dauroc_vs_indep_rmds_mean"])
+
+
+def test_synthetic_rejects_bad_nu0():
+  with pytest.raises(ValueError, match="nu0 must be > D \\+ 1"):
+    synthetic.run(None, seeds=(0,), nu0_values=(3.0,), nk_values=(), models=("rmds",))
+
+
+def _write_feature_files(tmp_path, npy_pair_train=False):
+  p = highdim.make_problem(__import__("jax").random.PRNGKey(0), num_classes=4, dim=6,
+                           num_train_per_class=15, num_test_per_class=5, num_ood_classes=3)
+  if npy_pair_train:
+    train = feature_files.save_npy_pair(str(tmp_path / "train"), p.x_train, p.y_train)
+  else:
+    train = feature_files.save_npz(str(tmp_path / "train"), p.x_train, p.y_train)
+  test = feature_files.save_npz(str(tmp_path / "test"), p.x_test, p.y_test)
+  near = feature_files.save_npz(str(tmp_path / "near"), p.x_near)          # no labels
+  far = feature_files.save_npz(str(tmp_path / "far"), p.x_far,
+                               -np.ones(len(p.x_far), np.int32))          # labels -1
+  return train, test, near, far
+
+
+def test_benchmark_smoke(tmp_path):
+  train, test, near, far = _write_feature_files(tmp_path, npy_pair_train=True)
+  out = str(tmp_path / "out")
+  res = benchmark.run(out, train, test, {"nearset": near}, {"farset": far, "far2": far},
+                      models=("rmds", "diag", "msp"), title="tiny")
+  for m, r in res["results"].items():
+    assert r["error"] is None, (m, r["error"])
+    assert 0 <= r["accuracy"] <= 1 and r["fit_s"] >= 0 and r["score_s"] >= 0
+    assert r["near_auroc"] == r["ood"]["nearset"]["auroc"]
+    assert r["far_auroc"] == pytest.approx(
+        (r["ood"]["farset"]["auroc"] + r["ood"]["far2"]["auroc"]) / 2)
+  table = open(os.path.join(out, "benchmark.md")).read()
+  assert "**Near** AUROC" in table and "**Far** AUROC" in table and "| DPMM diag |" in table
+  saved = json.load(open(os.path.join(out, "benchmark.json")))
+  assert set(saved["results"]) == {"rmds", "diag", "msp"}
+  assert "fit_s" in saved["results"]["rmds"]
+  _png_ok(os.path.join(out, "benchmark.png"))
+  os.remove(os.path.join(out, "benchmark.png"))
+  benchmark.plot_results(out)
+  _png_ok(os.path.join(out, "benchmark.png"))
+
+
+def test_benchmark_input_errors(tmp_path):
+  train, test, near, _ = _write_feature_files(tmp_path)
+  with pytest.raises(ValueError, match="at least one OOD"):
+    benchmark.run(None, train, test, {}, {}, models=("rmds",))
+  bad = feature_files.save_npz(str(tmp_path / "bad"), np.zeros((5, 3), np.float32))
+  with pytest.raises(ValueError, match="dimension 3 but 6 was expected"):
+    benchmark.run(None, train, test, {"x": bad}, {}, models=("rmds",))
+  with pytest.raises(ValueError, match="Unknown model"):
+    benchmark.run(None, train, test, {"x": near}, {}, models=("nope",))
+
+
+def test_dim_sweep_smoke_builtin(tmp_path):
+  out = str(tmp_path)
+  res = dim_sweep.run(out, components=(2, 4, 64), models=("rmds", "diag", "coupled"),
+                      seeds=(0, 1), problem=dict(num_classes=4, dim=8,
+                                                 num_train_per_class=12,
+                                                 num_test_per_class=4, num_ood_classes=3))
+  # 64 > D = 8 is replaced by the full dimension.
+  assert res["config"]["components"] == [2, 4, 8]
+  assert len(res["records"]) == 2 * 3 * 3
+  assert not [r for r in res["records"] if r["error"]]
+  for r in res["records"]:
+    assert 0 <= r["near_auroc"] <= 1 and 0 <= r["far_auroc"] <= 1
+  _png_ok(os.path.join(out, "dim_sweep.png"))
+  os.remove(os.path.join(out, "dim_sweep.png"))
+  dim_sweep.plot_results(out)
+  _png_ok(os.path.join(out, "dim_sweep.png"))
+
+
+def test_dim_sweep_smoke_feature_files(tmp_path):
+  train, test, near, far = _write_feature_files(tmp_path)
+  res = dim_sweep.run(str(tmp_path / "out"), train=train, test=test,
+                      near_ood={"n": near}, far_ood={"f": far}, components=(2, 6),
+                      models=("rmds", "tied"), seeds=(3, 4))
+  assert res["config"]["seeds"] == [3]
+  assert {r["num_components"] for r in res["records"]} == {2, 6}
+  assert all(0 <= r["n_auroc"] <= 1 for r in res["records"])
+
+
+def test_common_helpers():
+  assert common.parse_named_paths(["a=x/b.npz", "dir/c_features.npy"]) == {
+      "a": "x/b.npz", "c": "dir/c_features.npy"}
+  with pytest.raises(ValueError, match="given twice"):
+    common.parse_named_paths(["a=x", "a=y"])
+  m, se = common.mean_and_se([1.0, 2.0, float("nan"), 3.0])
+  assert m == 2.0 and se == pytest.approx(1 / np.sqrt(3))
+  assert "| a |" in common.markdown_table(["h", "v"], [["a", 0.5]])
+
+
+def test_highdim_problem_has_scale_factors():
+  import jax  # pylint: disable=g-import-not-at-top
+  p = highdim.make_problem(jax.random.PRNGKey(1), num_classes=30, dim=5,
+                           num_train_per_class=3, num_test_per_class=2, num_ood_classes=2,
+                           scale_shape=4.0)
+  assert p.x_train.shape == (90, 5) and p.x_near.shape == (4, 5)
+  # Class covariances are scaled by gamma_k: log-determinants track D log gamma_k.
+  logdet = np.linalg.slogdet(p.covariances)[1]
+  assert np.corrcoef(logdet, np.log(p.scales))[0, 1] > 0.8
