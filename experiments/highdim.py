@@ -3,19 +3,23 @@
 Used by ``dim_sweep`` and ``covariance_analysis`` when no feature file is given. The class
 covariances differ the way sections 5 and 9 found for ImageNet embeddings:
 
-* a shared average covariance ``Sigma0 = U diag(lambda) U^T`` with a power-law spectrum
-  (``lambda_i ~ i^-decay``, mean 1) in a random orientation, so PCA and the section-8
-  rotation have something to find;
+* a shared average within-class covariance ``Sigma0 = U diag(lambda) U^T`` with a
+  power-law spectrum (``lambda_i ~ i^-within_decay``, mean 1) in a random orientation, so
+  PCA and the section-8 rotation have something to find;
 * partial pooling: ``Sigma~_k ~ IW(nu, (nu - D - 1) Sigma0)`` with ``nu = D + 1 +
   pooling * D`` (larger ``pooling`` = covariances closer to ``Sigma0``);
 * a per-class scale factor (Figure 2): ``Sigma_k = gamma_k Sigma~_k`` with
   ``gamma_k ~ Gamma(shape a, rate a)`` (mean 1), so all variances of a class are larger
   or smaller together;
-* class means ``mu_k ~ N(0, Sigma0 / kappa0)``.
+* class means ``mu_k ~ N(0, B)`` with ``B = U diag(beta) U^T``, a faster-decaying
+  spectrum ``beta_i ~ i^-between_decay`` scaled so that ``tr B = separation * tr Sigma0``:
+  as in real embeddings the class means differ mostly along the top principal
+  components, and the trailing components carry within-class variation (and the
+  covariance differences) only.
 
 Near-OOD points come from fresh classes drawn from the same prior (new classes that look
 like the training classes); far-OOD points from fresh classes whose means are
-``far_spread`` times more spread out and whose scale factors are drawn the same way.
+``far_spread`` times more spread out, with covariances drawn the same way.
 
 All draws use ``dpmm_jax.synthetic`` samplers and explicit ``jax.random`` keys.
 """
@@ -42,18 +46,18 @@ class Problem(NamedTuple):
 
 
 DEFAULTS = dict(num_classes=50, dim=256, num_train_per_class=100, num_test_per_class=20,
-                num_ood_classes=50, decay=1.0, pooling=2.0, scale_shape=8.0, kappa0=8.0,
-                far_spread=2.0)
+                num_ood_classes=50, within_decay=0.5, between_decay=1.5, separation=1.0,
+                pooling=2.0, scale_shape=8.0, far_spread=2.0)
 
 
-def _classes(key, num, sigma0, nu, scale_shape, kappa0, dtype):
+def _classes(key, num, sigma0, nu, scale_shape, mean_factor, dtype):
+  """num classes: means mean_factor @ z (z standard normal), covariances gamma * IW."""
   k_cov, k_scale, k_mean = jax.random.split(key, 3)
   dim = sigma0.shape[0]
   cov = synthetic.sample_inverse_wishart(k_cov, nu, (nu - dim - 1) * sigma0, num)
   scales = jax.random.gamma(k_scale, scale_shape, (num,), dtype) / scale_shape
   cov = cov * scales[:, None, None]
-  chol0 = jnp.linalg.cholesky(sigma0)
-  means = jax.random.normal(k_mean, (num, dim), dtype) @ chol0.T / jnp.sqrt(kappa0)
+  means = jax.random.normal(k_mean, (num, dim), dtype) @ mean_factor.T
   return means, cov, scales
 
 
@@ -66,8 +70,9 @@ def _points(key, means, cov, n):
 
 def make_problem(key, *, num_classes: int = 50, dim: int = 256,
                  num_train_per_class: int = 100, num_test_per_class: int = 20,
-                 num_ood_classes: int = 50, decay: float = 1.0, pooling: float = 2.0,
-                 scale_shape: float = 8.0, kappa0: float = 8.0, far_spread: float = 2.0,
+                 num_ood_classes: int = 50, within_decay: float = 0.5,
+                 between_decay: float = 1.5, separation: float = 1.0, pooling: float = 2.0,
+                 scale_shape: float = 8.0, far_spread: float = 2.0,
                  dtype=jnp.float32) -> Problem:
   """Samples the problem (see the module docstring for the generative process).
 
@@ -77,30 +82,36 @@ def make_problem(key, *, num_classes: int = 50, dim: int = 256,
     num_train_per_class, num_test_per_class: points per ID class.
     num_ood_classes: fresh classes in each of the near and far OOD sets (each
       contributes ``num_test_per_class`` points).
-    decay: power-law exponent of the spectrum of ``Sigma0``.
+    within_decay: power-law exponent of the spectrum of ``Sigma0``.
+    between_decay: power-law exponent of the spectrum of the class-mean covariance.
+    separation: ``tr B / tr Sigma0`` (between- over within-class variance).
     pooling: ``nu = D + 1 + pooling * D`` for the inverse-Wishart around ``Sigma0``.
     scale_shape: shape (= rate) ``a`` of the per-class scale factors.
-    kappa0: class means ``~ N(0, Sigma0 / kappa0)``.
     far_spread: far-OOD means are this many times more spread out.
     dtype: float dtype.
 
   Returns:
     Problem.
   """
-  if pooling <= 0 or scale_shape <= 0 or kappa0 <= 0 or far_spread <= 0:
-    raise ValueError("pooling, scale_shape, kappa0 and far_spread must be > 0.")
+  if min(pooling, scale_shape, separation, far_spread) <= 0:
+    raise ValueError("pooling, scale_shape, separation and far_spread must be > 0.")
   keys = jax.random.split(key, 8)
-  lam = jnp.arange(1, dim + 1, dtype=dtype) ** (-decay)
+  index = jnp.arange(1, dim + 1, dtype=dtype)
+  lam = index ** (-within_decay)
   lam = lam / jnp.mean(lam)
+  beta = index ** (-between_decay)
+  beta = beta * separation * jnp.sum(lam) / jnp.sum(beta)
   q, _ = jnp.linalg.qr(jax.random.normal(keys[0], (dim, dim), dtype))
   sigma0 = (q * lam) @ q.T
   sigma0 = 0.5 * (sigma0 + sigma0.T)
+  mean_factor = q * jnp.sqrt(beta)
   nu = dim + 1.0 + pooling * dim
-  means, cov, scales = _classes(keys[1], num_classes, sigma0, nu, scale_shape, kappa0, dtype)
-  near_m, near_c, _ = _classes(keys[2], num_ood_classes, sigma0, nu, scale_shape, kappa0,
-                               dtype)
+  means, cov, scales = _classes(keys[1], num_classes, sigma0, nu, scale_shape, mean_factor,
+                                dtype)
+  near_m, near_c, _ = _classes(keys[2], num_ood_classes, sigma0, nu, scale_shape,
+                               mean_factor, dtype)
   far_m, far_c, _ = _classes(keys[3], num_ood_classes, sigma0, nu, scale_shape,
-                             kappa0 / far_spread ** 2, dtype)
+                             far_spread * mean_factor, dtype)
   labels = lambda n: np.repeat(np.arange(num_classes, dtype=np.int32), n)  # pylint: disable=g-long-lambda
   return Problem(
       x_train=_points(keys[4], means, cov, num_train_per_class),

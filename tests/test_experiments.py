@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from dpmm_jax import feature_files
-from experiments import benchmark, common, demo, dim_sweep, highdim, synthetic
+from experiments import (benchmark, common, covariance_analysis, demo, dim_sweep, highdim,
+                         synthetic)
 
 FEW_MODELS = ("rmds", "indep_rmds", "tied", "diag")
 
@@ -172,3 +173,41 @@ def test_highdim_problem_has_scale_factors():
   # Class covariances are scaled by gamma_k: log-determinants track D log gamma_k.
   logdet = np.linalg.slogdet(p.covariances)[1]
   assert np.corrcoef(logdet, np.log(p.scales))[0, 1] > 0.8
+
+
+def test_covariance_analysis_smoke(tmp_path):
+  out = str(tmp_path)
+  res = covariance_analysis.run(out, num_components=4, seed=0, problem=dict(
+      num_classes=6, dim=8, num_train_per_class=30, num_test_per_class=2,
+      num_ood_classes=2, scale_shape=2.0))
+  s = res["summary"]
+  assert s["num_classes"] == 6 and s["dim"] == 4 and s["num_pairs"] == 15
+  assert res["arrays"]["fm_real"].shape == (15,) and res["arrays"]["fm_null"].shape == (15,)
+  assert np.all(res["arrays"]["fm_real"] > 0) and np.all(np.isfinite(res["arrays"]["fm_null"]))
+  # Strong per-class scale factors (shape 2) make the class covariances differ far more
+  # than Wishart sampling error, and the estimated s_k track the true gamma_k.
+  assert s["fm_real_median"] > s["fm_null_median"]
+  assert s["scale_log_sd_real"] > s["scale_log_sd_null"]
+  assert s["corr_scale_vs_true_gamma"] > 0.5
+  for name in ("covariance_fm.png", "covariance_scales.png"):
+    _png_ok(os.path.join(out, name))
+    os.remove(os.path.join(out, name))
+  covariance_analysis.plot_results(out)
+  _png_ok(os.path.join(out, "covariance_fm.png"))
+
+
+def test_covariance_analysis_feature_file_drops_small_classes(tmp_path):
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(70, 5)).astype(np.float32)
+  y = np.array([0] * 30 + [1] * 30 + [2] * 10, np.int32)   # class 2: only 10 points
+  path = feature_files.save_npz(str(tmp_path / "f"), x, y)
+  res = covariance_analysis.run(None, train=path, num_components=5)
+  # Class 2 has 10 > D = 5 points and is kept; with D = 5 none is dropped.
+  assert res["summary"]["num_classes"] == 3
+  res = covariance_analysis.run(None, train=path, num_components=5, max_classes=2)
+  assert res["summary"]["num_classes"] == 2 and res["summary"]["num_pairs"] == 1
+  x2 = np.concatenate([x, rng.normal(size=(4, 5)).astype(np.float32)])
+  y2 = np.concatenate([y, np.full(4, 3, np.int32)])          # class 3: 4 <= D points
+  path2 = feature_files.save_npz(str(tmp_path / "g"), x2, y2)
+  res = covariance_analysis.run(None, train=path2, num_components=5)
+  assert res["summary"]["classes_dropped"] == 1 and res["summary"]["num_classes"] == 3
