@@ -18,8 +18,11 @@ covariances differ the way sections 5 and 9 found for ImageNet embeddings:
   covariance differences) only.
 
 Near-OOD points come from fresh classes drawn from the same prior (new classes that look
-like the training classes); far-OOD points from fresh classes whose means are
-``far_spread`` times more spread out, with covariances drawn the same way.
+like the training classes). Far-OOD points come from fresh classes with covariances drawn
+the same way but means ``~ N(0, far_spread^2 B + far_shift Sigma0)``: besides being more
+spread out along the top components, they are displaced along the trailing components
+where the training classes do not vary (a domain shift), so that far OOD gets easier as
+more components are kept.
 
 All draws use ``dpmm_jax.synthetic`` samplers and explicit ``jax.random`` keys.
 """
@@ -46,8 +49,8 @@ class Problem(NamedTuple):
 
 
 DEFAULTS = dict(num_classes=50, dim=256, num_train_per_class=100, num_test_per_class=20,
-                num_ood_classes=50, within_decay=0.5, between_decay=1.5, separation=1.0,
-                pooling=2.0, scale_shape=8.0, far_spread=2.0)
+                num_ood_classes=50, within_decay=0.5, between_decay=1.5, separation=0.2,
+                pooling=2.0, scale_shape=8.0, far_spread=1.5, far_shift=1.0)
 
 
 def _classes(key, num, sigma0, nu, scale_shape, mean_factor, dtype):
@@ -71,8 +74,8 @@ def _points(key, means, cov, n):
 def make_problem(key, *, num_classes: int = 50, dim: int = 256,
                  num_train_per_class: int = 100, num_test_per_class: int = 20,
                  num_ood_classes: int = 50, within_decay: float = 0.5,
-                 between_decay: float = 1.5, separation: float = 1.0, pooling: float = 2.0,
-                 scale_shape: float = 8.0, far_spread: float = 2.0,
+                 between_decay: float = 1.5, separation: float = 0.2, pooling: float = 2.0,
+                 scale_shape: float = 8.0, far_spread: float = 1.5, far_shift: float = 1.0,
                  dtype=jnp.float32) -> Problem:
   """Samples the problem (see the module docstring for the generative process).
 
@@ -87,14 +90,16 @@ def make_problem(key, *, num_classes: int = 50, dim: int = 256,
     separation: ``tr B / tr Sigma0`` (between- over within-class variance).
     pooling: ``nu = D + 1 + pooling * D`` for the inverse-Wishart around ``Sigma0``.
     scale_shape: shape (= rate) ``a`` of the per-class scale factors.
-    far_spread: far-OOD means are this many times more spread out.
+    far_spread: far-OOD means are this many times more spread out along ``B``.
+    far_shift: extra far-OOD mean covariance, in units of ``Sigma0``.
     dtype: float dtype.
 
   Returns:
     Problem.
   """
-  if min(pooling, scale_shape, separation, far_spread) <= 0:
-    raise ValueError("pooling, scale_shape, separation and far_spread must be > 0.")
+  if min(pooling, scale_shape, separation, far_spread) <= 0 or far_shift < 0:
+    raise ValueError("pooling, scale_shape, separation and far_spread must be > 0 and "
+                     "far_shift >= 0.")
   keys = jax.random.split(key, 8)
   index = jnp.arange(1, dim + 1, dtype=dtype)
   lam = index ** (-within_decay)
@@ -110,8 +115,9 @@ def make_problem(key, *, num_classes: int = 50, dim: int = 256,
                                 dtype)
   near_m, near_c, _ = _classes(keys[2], num_ood_classes, sigma0, nu, scale_shape,
                                mean_factor, dtype)
-  far_m, far_c, _ = _classes(keys[3], num_ood_classes, sigma0, nu, scale_shape,
-                             far_spread * mean_factor, dtype)
+  far_factor = q * jnp.sqrt(far_spread ** 2 * beta + far_shift * lam)
+  far_m, far_c, _ = _classes(keys[3], num_ood_classes, sigma0, nu, scale_shape, far_factor,
+                             dtype)
   labels = lambda n: np.repeat(np.arange(num_classes, dtype=np.int32), n)  # pylint: disable=g-long-lambda
   return Problem(
       x_train=_points(keys[4], means, cov, num_train_per_class),
