@@ -81,6 +81,9 @@ def main(argv):
   del argv
   common.setup_from_flags("demo")
   output_dir = common.output_dir_flag()  # the demo saves only when asked to
+  if common.plot_only():  # the demo draws no figure: reprint the saved table
+    print(common.load_json(f"{output_dir or 'results/demo'}/demo.json")["table"])
+    return
   seeds = common.seeds(3)
   result = run(seeds, common.models_flag(), nu0=_NU0.value,
                num_train_per_class=_NK.value, output_dir=output_dir)
