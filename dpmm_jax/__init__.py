@@ -6,12 +6,14 @@ One-call API::
     s = dpmm_jax.score(det, X_test)                 # higher = more in-distribution
     p = dpmm_jax.outlier_probability(det, X_test, alpha=1.0)
     yhat = dpmm_jax.predict(det, X_test)
+    dpmm_jax.save(det, "detector.npz"); det = dpmm_jax.load("detector.npz")
 
 The functional layer (``stats``, ``preprocess``, ``conjugate.niw``/``nix``, ``newton``,
 ``em``, ``models.*``, ``scores``, ``metrics``) stays public for composing in JAX code.
 """
-from dpmm_jax.api import (DPMM_MODELS, MODELS, Detector, FitReport, class_scores,
-                          fit_detector, fit_detector_with_info, outlier_probability,
-                          predict, score)
+from dpmm_jax.api import (DPMM_MODELS, MODELS, ConvergenceWarning, Detector, FitReport,
+                          class_scores, fit_detector, fit_detector_with_info,
+                          outlier_probability, predict, score)
+from dpmm_jax.serialization import DetectorFileError, load, save
 
 __version__ = "0.1.0"

@@ -2,9 +2,14 @@
 
 A ``Detector`` is a pytree (the model name is static metadata), so it can be passed
 through ``jax.jit``; it carries the fitted section-8 transform and the fitted model.
+
+Inputs are validated here (``validation``); what is rejected, and why, is listed in
+``docs/failure_modes.md``. The fit never returns a detector with non-finite parameters,
+and scoring never returns non-finite scores for finite inputs: both raise instead.
 """
 import dataclasses
 import functools
+import warnings
 from typing import Any, Dict, NamedTuple, Optional
 
 import jax
@@ -14,6 +19,7 @@ import numpy as np
 from dpmm_jax import preprocess as preprocess_lib
 from dpmm_jax import scores as scores_lib
 from dpmm_jax import stats as stats_lib
+from dpmm_jax import linalg
 from dpmm_jax import validation
 from dpmm_jax.models import coupled, diag, full, linear, mahalanobis, tied
 
@@ -21,7 +27,14 @@ MODELS = ("mds", "rmds", "indep_rmds", "msp", "temp_msp", "tied", "full", "diag"
 DPMM_MODELS = ("tied", "full", "diag", "coupled")
 # Models whose fit needs the (K, D, D) per-class scatter.
 _FULL_STATS = ("indep_rmds", "full")
+# Models whose Sigma0 is the average within-class covariance (it must be non-singular).
+_HIERARCHICAL = ("full", "diag", "coupled")
 MSP_TEMPERATURE = 1000.0
+
+
+class ConvergenceWarning(UserWarning):
+  """EM stopped at ``max_iter`` before meeting its tolerance (the detector is usable and
+  uses the last iterate; ``fit_detector_with_info`` returns the trace)."""
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -61,18 +74,35 @@ def _model_dim(det) -> int:
 
 
 class FitReport(NamedTuple):
-  """What ``fit_detector_with_info`` says about the fit: EM info (or None), the
+  """What ``fit_detector_with_info`` says about the fit: EM info (``em.EMInfo`` for the
+  hierarchical models, ``linear.LinearFitInfo`` for MSP heads, else None), the
   preprocessing output dimension and the training-set class counts."""
   em: Any
   dim: int
   counts: np.ndarray
 
+  @property
+  def converged(self) -> bool:
+    """EM met its tolerance (True for models without EM)."""
+    return bool(np.asarray(getattr(self.em, "converged", True)))
+
+  @property
+  def num_iters(self) -> int:
+    """EM iterations run (0 for models without EM)."""
+    return int(np.asarray(getattr(self.em, "num_iters", 0)))
+
+  @property
+  def at_cap(self) -> bool:
+    """Some concentration (nu0, or the coupled model's alpha0) ended at its cap: its
+    optimum is at infinity (tied covariances), which EM reached and reports."""
+    newton = getattr(self.em, "newton", None)
+    return newton is not None and bool(np.any(np.asarray(newton.at_upper)))
+
 
 def _transformed_chunks(x, y, transform, chunk_size):
   for start in range(0, x.shape[0], chunk_size):
-    xc = np.asarray(x[start:start + chunk_size])
-    validation.check_finite_chunk(xc, "x", start)
-    xc = jnp.asarray(xc, validation._float_dtype(xc.dtype))
+    xc = validation.check_finite_chunk(x[start:start + chunk_size], "x", start)
+    xc = jnp.asarray(xc)
     if transform is not None:
       xc = preprocess_lib.apply(transform, xc)
     yield xc, y[start:start + chunk_size]
@@ -93,36 +123,145 @@ def _fit_model(model, stats, x_fn, y, key, options):
   return module.fit(stats, **options)
 
 
+def _check_within_class(stats, model: str, preprocessed: bool):
+  """Rejects training data whose within-class covariance cannot carry the model.
+
+  Every Gaussian model needs some within-class variation; the hierarchical models use
+  the average within-class covariance as Sigma0, which must be non-singular (in float
+  precision): a feature that is constant within every class, or a full covariance of
+  rank below D (duplicated or collinear features, N - K < D), makes the NIW/NIX priors
+  improper and the fit NaN. The baselines and the tied model floor such directions.
+  """
+  count = np.asarray(stats.count, np.float64)
+  total = count.sum()
+  num_classes, dim = stats.num_classes, stats.dim
+  pooled = np.asarray(stats.pooled_scatter, np.float64) / total
+  within_var = np.diag(pooled)
+  if not np.any(within_var > 0):
+    singletons = int(np.sum(count == 1))
+    which = ("every class has a single point" if singletons == num_classes else
+             f"{singletons} of {num_classes} classes have a single point, the others only "
+             "identical points")
+    raise ValueError(
+        f"The training features have no within-class variation ({which}), so no "
+        "covariance can be estimated. Every Gaussian model needs some class with two or "
+        "more distinct points (the MSP heads do not).")
+  if model not in _HIERARCHICAL:
+    return
+  rtol = linalg.default_rtol(np.asarray(stats.pooled_scatter).dtype)
+  mean = np.asarray(stats.mean, np.float64)
+  centred = mean - count @ mean / total
+  total_var = within_var + np.einsum("k,kd->d", count, centred * centred) / total
+  dof = int(total) - num_classes
+  few = f"; N - K = {dof} < D = {dim}" if dof < dim else ""
+  flat = np.flatnonzero(within_var <= rtol * total_var)
+  if flat.size:
+    if preprocessed:
+      what = (f"{flat.size} of the {dim} directions kept by the preprocessing have (almost) "
+              f"no within-class variance (first: {validation._listed(flat)}): "
+              + (f"too few points per class{few}" if dof < dim else
+                 "features that are constant within each class but differ between classes"))
+      fix = (f"Use num_components={max(1, dof)}" if dof < dim else
+             "Remove such features")
+    else:
+      what = (f"{flat.size} of the {dim} features have (almost) no within-class variance "
+              f"(first: {validation._listed(flat)}): constant features, or features "
+              f"constant within each class")
+      fix = "Remove them or use preprocess=True (drops constant and duplicated features)"
+    raise ValueError(
+        f"The {model} model uses the average within-class covariance as its prior scale "
+        f"Sigma0, which must be non-singular, but {what}. {fix}, or use model='tied' or "
+        "'rmds', which floor such directions.")
+  if model == "full" and dim > 1:
+    scale = np.sqrt(within_var)
+    corr = pooled / np.outer(scale, scale)
+    eig = np.linalg.eigvalsh(0.5 * (corr + corr.T))
+    rank = int(np.sum(eig > rtol * eig[-1]))
+    if rank < dim:
+      cause = ("too few points per class" + few if dof < dim
+               else "duplicated or linearly dependent features")
+      fix = (f"num_components={rank}" if preprocessed
+             else "preprocess=True (drops duplicated features) or num_components")
+      raise ValueError(
+          f"The full model uses the average within-class covariance as its prior scale "
+          f"Sigma0, which must be non-singular, but its numerical rank is {rank} < D = "
+          f"{dim} ({cause}). Use {fix}, or model='diag', 'tied' or 'rmds'.")
+
+
+def _check_finite_params(det: "Detector"):
+  for path, leaf in jax.tree_util.tree_flatten_with_path(det)[0]:
+    leaf = np.asarray(leaf)
+    if np.issubdtype(leaf.dtype, np.inexact) and not np.all(np.isfinite(leaf)):
+      raise ValueError(
+          f"Fitting the {det.model} model produced non-finite parameters "
+          f"({jax.tree_util.keystr(path)}); the training features are numerically "
+          "degenerate for it (see docs/failure_modes.md).")
+
+
 def fit_detector_with_info(x, y, model: str = "coupled", *, num_classes=None,
                            preprocess: bool = True, num_components=None,
                            chunk_size: int = 65536, key=None, **options):
-  """Like ``fit_detector`` but also returns a ``FitReport`` (EM trace, convergence)."""
+  """Like ``fit_detector`` but also returns a ``FitReport`` (EM trace, convergence).
+
+  Warns with ``ConvergenceWarning`` when EM stops at ``max_iter`` before its tolerance.
+  """
+  if not isinstance(model, str):
+    raise TypeError(f"model must be a string naming one of {MODELS}, got {model!r}.")
   if model not in MODELS:
     raise ValueError(f"Unknown model {model!r}; choose one of {MODELS}.")
+  if not isinstance(preprocess, (bool, np.bool_)):
+    raise TypeError(f"preprocess must be True or False, got {preprocess!r}.")
+  chunk_size = validation.positive_int(chunk_size, "chunk_size")
   x = validation.features(x, "x", allow_memmap=True)
   y, num_classes = validation.labels(y, x.shape[0], num_classes)
+  if num_components is not None:
+    num_components = validation.positive_int(num_components, "num_components")
+    if not preprocess:
+      raise ValueError("num_components needs preprocess=True.")
+    if num_components > x.shape[1]:
+      raise ValueError(f"num_components={num_components} exceeds the number of features "
+                       f"D = {x.shape[1]}.")
   chunk_size = int(min(chunk_size, x.shape[0]))
   dtype = jnp.asarray(np.zeros((), validation._float_dtype(x.dtype))).dtype
   transform = None
   if preprocess:
     raw = stats_lib.from_chunks(_transformed_chunks(x, y, None, chunk_size), num_classes,
                                 full=False, chunk_size=chunk_size, dtype=dtype)
+    validation.finite_stats(raw)
     transform = preprocess_lib.fit(raw, num_components)
-  elif num_components is not None:
-    raise ValueError("num_components needs preprocess=True.")
   stats = stats_lib.from_chunks(_transformed_chunks(x, y, transform, chunk_size),
                                 num_classes, full=model in _FULL_STATS,
                                 chunk_size=chunk_size, dtype=dtype)
+  validation.finite_stats(stats)
+  if model not in ("msp", "temp_msp"):
+    _check_within_class(stats, model, preprocess)
+  if model == "full" and options.get("df") is not None:
+    df = options["df"]
+    validation.positive(df, "df")
+    if not float(df) > stats.dim + 1:
+      raise ValueError(
+          f"Initial df (nu0) must exceed D + 1 = {stats.dim + 1} for the NIW prior with "
+          f"E[Sigma] = Sigma0 (D = {stats.dim} is the dimension after preprocessing); got "
+          f"{df}.")
 
   def transformed_features():
     return jnp.concatenate([c for c, _ in _transformed_chunks(x, y, transform, chunk_size)])
 
   params, info = _fit_model(model, stats, transformed_features, y, key, options)
   det = Detector(model, num_classes, transform, params)
-  return det, FitReport(info, int(stats.dim), np.asarray(stats.count))
+  _check_finite_params(det)
+  report = FitReport(info, int(stats.dim), np.asarray(stats.count))
+  if not report.converged:
+    warnings.warn(
+        f"EM for the {model!r} model stopped at max_iter={report.num_iters} before the "
+        "relative change of the log marginal likelihood met tol; the detector uses the "
+        "last iterate. Raise max_iter, or inspect "
+        "fit_detector_with_info(...)[1].em.log_marginal_trace.",
+        ConvergenceWarning, stacklevel=2)
+  return det, report
 
 
-def fit_detector(x, y, model: str = "coupled", **kwargs) -> Detector:
+def fit_detector(x, y, model: str = "coupled", **kwargs) -> "Detector":
   """Fits an OOD detector on training features.
 
   Args:
@@ -137,6 +276,11 @@ def fit_detector(x, y, model: str = "coupled", **kwargs) -> Detector:
     **options: passed to the model's fit (e.g. ``tol``, ``max_iter`` for EM models).
   Returns:
     Detector.
+  Raises:
+    TypeError, ValueError: invalid inputs or data the model cannot be fitted on (see
+      ``docs/failure_modes.md``).
+  Warns:
+    ConvergenceWarning: EM stopped at ``max_iter`` before meeting its tolerance.
   """
   return fit_detector_with_info(x, y, model, **kwargs)[0]
 
@@ -168,22 +312,42 @@ def _evaluate_chunk(det: Detector, x):
   return class_scores, score
 
 
+def _check_detector(det):
+  if not isinstance(det, Detector):
+    raise TypeError(f"Expected a dpmm_jax.Detector (from fit_detector or load), got "
+                    f"{type(det).__name__}.")
+  return det
+
+
 def _evaluate(det: Detector, x, chunk_size: int):
-  x = validation.features(x, "x", dim=det.input_dim, allow_memmap=True)
+  _check_detector(det)
+  chunk_size = validation.positive_int(chunk_size, "chunk_size")
+  x = validation.features(x, "x", dim=det.input_dim, allow_memmap=True, allow_empty=True)
   n = x.shape[0]
-  chunk_size = int(min(chunk_size, n))
   dtype = validation._float_dtype(x.dtype)
+  if n == 0:
+    return (jnp.zeros((0, det.num_classes), dtype), jnp.zeros((0,), dtype))
+  chunk_size = int(min(chunk_size, n))
   class_parts, score_parts = [], []
   for start in range(0, n, chunk_size):
-    xc = np.asarray(x[start:start + chunk_size])
-    validation.check_finite_chunk(xc, "x", start)
+    xc = validation.check_finite_chunk(x[start:start + chunk_size], "x", start)
     m = xc.shape[0]
     if m < chunk_size:  # pad to one shape: one compilation for all chunks
       xc = np.concatenate([xc, np.repeat(xc[-1:], chunk_size - m, axis=0)])
     cs, s = _evaluate_chunk(det, jnp.asarray(xc, dtype))
     class_parts.append(cs[:m])
     score_parts.append(s[:m])
-  return jnp.concatenate(class_parts), jnp.concatenate(score_parts)
+  class_scores_, scores = jnp.concatenate(class_parts), jnp.concatenate(score_parts)
+  bad = np.flatnonzero(~np.isfinite(np.asarray(scores))
+                       | ~np.all(np.isfinite(np.asarray(class_scores_)), axis=-1))
+  if bad.size:
+    raise ValueError(
+        f"{bad.size} row(s) of x could not be scored in {np.dtype(dtype).name} (first rows: "
+        f"{validation._listed(bad)}; largest |x| in them "
+        f"{np.max(np.abs(np.asarray(x[bad[:100]]))):.3g}): they are so far from the "
+        "training data that their squared distances overflow. Rescale the features or "
+        "enable jax_enable_x64.")
+  return class_scores_, scores
 
 
 def score(det: Detector, x, chunk_size: int = 2048):
@@ -204,6 +368,7 @@ def predict(det: Detector, x, chunk_size: int = 2048):
 
 def outlier_probability(det: Detector, x, alpha: float = 1.0, chunk_size: int = 2048):
   """(M,) p(y = K+1 | x) under the DPMM with concentration ``alpha`` (DPMM models only)."""
+  _check_detector(det)
   if det.model not in DPMM_MODELS:
     raise ValueError(f"outlier_probability needs a DPMM model {DPMM_MODELS}, "
                      f"got {det.model!r}.")

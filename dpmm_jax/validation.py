@@ -1,14 +1,33 @@
 """Input checks at the public boundary: clear errors instead of silent NaNs.
 
-Every public entry point converts its inputs here. Accepted feature dtypes: any float
-(float16 and bfloat16 are upcast to float32), integers and bools (converted to float32).
-Labels must be integers (integral floats are rejected: they usually mean a mix-up of
-arrays).
+Every public entry point converts its inputs here and raises ``TypeError`` (wrong kind of
+input) or ``ValueError`` (wrong shape or value) with a message that names the argument,
+the problem and, for bad rows, how many there are and the first few indices.
+
+What is accepted (see ``docs/failure_modes.md``):
+
+* features: a 2-D array (N, D), N >= 1, D >= 1, of any real numeric dtype. float32 and
+  float64 are used as they are (float64 only when ``jax_enable_x64`` is on, float32
+  otherwise); float16, bfloat16, integers and bools are converted to float32 (integers
+  above 2**24 lose precision there). Complex, string and object arrays are rejected.
+  Every entry must be finite, also after the conversion (float64 values beyond the
+  float32 range are reported as such).
+* labels: a 1-D integer array (N,) with values in 0..K-1; bools and floats are rejected,
+  even integral floats (they usually mean an array mix-up).
 """
+import numbers
+import operator
+
 import numpy as np
 import jax.numpy as jnp
 
 _MAX_LISTED = 5
+
+
+def _listed(indices) -> str:
+  indices = np.asarray(indices).tolist()
+  more = ", ..." if len(indices) > _MAX_LISTED else ""
+  return f"[{', '.join(str(i) for i in indices[:_MAX_LISTED])}{more}]"
 
 
 def _float_dtype(dtype):
@@ -18,96 +37,226 @@ def _float_dtype(dtype):
   return jnp.dtype(jnp.float32)
 
 
-def features(x, name: str = "x", dim=None, allow_memmap: bool = False):
+def _is_real_numeric(dtype) -> bool:
+  dtype = np.dtype(dtype)
+  if dtype == np.bool_:
+    return True
+  if np.issubdtype(dtype, np.complexfloating):
+    return False
+  if np.issubdtype(dtype, np.number):
+    return True
+  return dtype.name == "bfloat16"  # ml_dtypes' bfloat16 is not a numpy "number"
+
+
+def features(x, name: str = "x", dim=None, allow_memmap: bool = False,
+             allow_empty: bool = False):
   """Checks a (N, D) feature array; returns it as a numpy array of a float dtype.
 
+  Args:
+    x: array-like (N, D).
+    name: argument name used in messages.
+    dim: required number of features (e.g. the detector's input dimension).
+    allow_memmap: keep an ``np.memmap`` as it is (the caller checks each chunk with
+      ``check_finite_chunk`` while reading it).
+    allow_empty: accept N = 0 (scoring an empty batch).
+  Returns:
+    numpy array (or the memmap) with a float dtype.
   Raises:
-    TypeError: non-numeric dtype.
+    TypeError: non-numeric or complex dtype.
     ValueError: wrong ndim, empty, dimension mismatch, NaN or inf entries (with the count
-      of bad rows and the first indices).
+      of bad rows and the first indices), values beyond the float32 range.
   """
   if allow_memmap and isinstance(x, np.memmap):
     arr = x
   else:
-    arr = np.asarray(x)
-  if not (np.issubdtype(arr.dtype, np.number) or arr.dtype == np.bool_):
-    raise TypeError(f"{name} must be a numeric array, got dtype {arr.dtype}.")
+    try:
+      arr = np.asarray(x)
+    except (TypeError, ValueError) as err:
+      raise TypeError(f"{name} must be a numeric array; could not convert a "
+                      f"{type(x).__name__}: {err}") from None
+  if not _is_real_numeric(arr.dtype):
+    raise TypeError(f"{name} must be a real numeric array (float, int or bool), got dtype "
+                    f"{arr.dtype}.")
   if arr.ndim != 2:
-    raise ValueError(f"{name} must be 2-D (num_points, num_features), got shape {arr.shape}.")
-  if arr.shape[0] == 0 or arr.shape[1] == 0:
+    hint = ""
+    if arr.ndim == 1:
+      hint = (" For a single feature use x.reshape(-1, 1); for a single point use "
+              "x.reshape(1, -1).")
+    raise ValueError(f"{name} must be 2-D (num_points, num_features), got shape "
+                     f"{arr.shape}.{hint}")
+  if arr.shape[1] == 0 or (arr.shape[0] == 0 and not allow_empty):
     raise ValueError(f"{name} is empty (shape {arr.shape}).")
   if dim is not None and arr.shape[1] != dim:
     raise ValueError(f"{name} has {arr.shape[1]} features but the detector was fitted on "
                      f"{dim}; features from a different extractor or layer?")
   dtype = _float_dtype(arr.dtype)
   if not isinstance(arr, np.memmap):
-    arr = arr.astype(dtype, copy=False)
     _check_finite(arr, name)
+    arr = _convert(arr, dtype, name)
   return arr
 
 
-def _check_finite(arr, name):
-  if np.issubdtype(arr.dtype, np.floating):
+def _check_finite(arr, name, offset: int = 0):
+  if np.issubdtype(arr.dtype, np.inexact) or arr.dtype.name == "bfloat16":
     bad_rows = ~np.all(np.isfinite(arr), axis=1)
     if bad_rows.any():
-      idx = np.flatnonzero(bad_rows)
+      idx = np.flatnonzero(bad_rows) + offset
       raise ValueError(f"{name} has {idx.size} row(s) with NaN or inf values (first rows: "
-                       f"{idx[:_MAX_LISTED].tolist()}).")
+                       f"{_listed(idx)}).")
+
+
+def _convert(arr, dtype, name, offset: int = 0):
+  """Casts to the compute dtype; a finite float64 value beyond float32's range is an
+  error rather than an inf."""
+  if arr.dtype == dtype:
+    return arr
+  with np.errstate(over="ignore", invalid="ignore"):
+    out = arr.astype(dtype)
+  if np.issubdtype(arr.dtype, np.floating) and np.dtype(dtype).itemsize < arr.dtype.itemsize:
+    bad_rows = ~np.all(np.isfinite(out), axis=1)
+    if bad_rows.any():
+      idx = np.flatnonzero(bad_rows) + offset
+      raise ValueError(
+          f"{name} has {idx.size} row(s) with values beyond the {np.dtype(dtype).name} range "
+          f"(first rows: {_listed(idx)}; largest |value| {np.max(np.abs(arr)):.3g}); "
+          "rescale the features or enable jax_enable_x64.")
+  return out
 
 
 def check_finite_chunk(arr, name, offset):
   """Finite check for one chunk of a memory-mapped array (row indices are global)."""
-  try:
-    _check_finite(np.asarray(arr), name)
-  except ValueError as err:
-    raise ValueError(f"{err} [chunk starting at row {offset}]") from None
+  arr = np.asarray(arr)
+  _check_finite(arr, name, offset)
+  return _convert(arr, _float_dtype(arr.dtype), name, offset)
+
+
+def check_num_classes(value, name: str = "num_classes"):
+  """A positive Python int (bools and non-integral values are rejected)."""
+  if value is None:
+    return None
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+    raise TypeError(f"{name} must be an integer, got {value!r}.")
+  value = operator.index(value)
+  if value < 1:
+    raise ValueError(f"{name} must be >= 1, got {value}.")
+  return value
 
 
 def labels(y, num_points: int, num_classes=None, name: str = "y"):
   """Checks integer labels; returns (labels int32 numpy array, num_classes).
 
   Raises:
-    TypeError: labels that are not integers.
+    TypeError: labels that are not integers (bool and float labels included).
     ValueError: wrong shape, labels outside 0..K-1, classes with no points, K < 2.
   """
+  num_classes = check_num_classes(num_classes)
   arr = np.asarray(y)
   if arr.ndim != 1 or arr.shape[0] != num_points:
     raise ValueError(f"{name} must have shape ({num_points},) to match the features, got "
                      f"{arr.shape}.")
-  if not np.issubdtype(arr.dtype, np.integer) or arr.dtype == np.bool_:
+  if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
     raise TypeError(f"{name} must hold integer class labels, got dtype {arr.dtype}.")
-  if arr.min() < 0:
-    raise ValueError(f"{name} has negative labels (min {arr.min()}); labels must be "
-                     "0..K-1.")
+  if arr.size == 0:
+    raise ValueError(f"{name} is empty.")
+  negative = np.flatnonzero(arr < 0)
+  if negative.size:
+    raise ValueError(f"{name} has {negative.size} negative label(s) (first at rows "
+                     f"{_listed(negative)}); labels must be 0..K-1.")
   if num_classes is None:
     num_classes = int(arr.max()) + 1
-  num_classes = int(num_classes)
-  if arr.max() >= num_classes:
-    raise ValueError(f"{name} has labels up to {arr.max()} but num_classes={num_classes}; "
-                     f"labels must lie in 0..{num_classes - 1}.")
+  too_big = np.flatnonzero(arr >= num_classes)
+  if too_big.size:
+    raise ValueError(f"{name} has {too_big.size} label(s) >= num_classes={num_classes} "
+                     f"(first at rows {_listed(too_big)}, largest {arr.max()}); labels must "
+                     f"lie in 0..{num_classes - 1}.")
   if num_classes < 2:
-    raise ValueError(f"OOD detection needs at least 2 classes, got {num_classes}.")
+    raise ValueError(
+        f"OOD detection needs at least 2 classes, got {num_classes}: the models learn "
+        "their priors from the variation between classes (and a softmax over one class "
+        "is constant).")
   counts = np.bincount(arr, minlength=num_classes)
   empty = np.flatnonzero(counts == 0)
   if empty.size:
     raise ValueError(f"{empty.size} class(es) have no training points (first: "
-                     f"{empty[:_MAX_LISTED].tolist()}); drop them or relabel 0..K-1.")
+                     f"{_listed(empty)}); drop them or relabel 0..K-1.")
   return arr.astype(np.int32), num_classes
 
 
 def positive(value, name):
-  if not np.isfinite(value) or value <= 0:
+  try:
+    number = float(value)
+  except (TypeError, ValueError):
+    raise TypeError(f"{name} must be a positive finite number, got {value!r}.") from None
+  if not np.isfinite(number) or number <= 0:
     raise ValueError(f"{name} must be a positive finite number, got {value}.")
   return value
 
 
 def positive_or_none(value, name):
   if value is not None:
-    positive(float(value), name)
+    positive(value, name)
   return value
 
 
+def positive_int(value, name):
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+    raise TypeError(f"{name} must be a positive integer, got {value!r}.")
+  if value < 1:
+    raise ValueError(f"{name} must be a positive integer, got {value}.")
+  return int(value)
+
+
 def em_options(tol, max_iter):
-  positive(float(tol), "tol")
-  if int(max_iter) != max_iter or max_iter < 1:
+  positive(tol, "tol")
+  if isinstance(max_iter, (bool, np.bool_)) or not isinstance(max_iter, numbers.Integral):
+    raise ValueError(f"max_iter must be a positive integer, got {max_iter!r}.")
+  if max_iter < 1:
     raise ValueError(f"max_iter must be a positive integer, got {max_iter}.")
+
+
+# ---------------------------------------------------------------- statistics functions
+def stats_chunk(x, y, num_classes: int, offset: int = 0, dim=None, name: str = "x"):
+  """Checks one (x, y) chunk given to the chunked statistics functions.
+
+  Args:
+    x: (n, D) features; y: (n,) integer labels in 0..K-1.
+    num_classes: K.
+    offset: index of the chunk's first row in the whole data set (for messages).
+    dim: D of the previous chunks (None for the first).
+  Returns:
+    (x as a float numpy array, y as int32).
+  """
+  x = np.asarray(x)
+  if not _is_real_numeric(x.dtype):
+    raise TypeError(f"{name} must be a real numeric array, got dtype {x.dtype}.")
+  if x.ndim != 2:
+    raise ValueError(f"{name} chunks must be 2-D (num_points, num_features), got shape "
+                     f"{x.shape} [chunk starting at row {offset}].")
+  if dim is not None and x.shape[1] != dim:
+    raise ValueError(f"{name} chunk starting at row {offset} has {x.shape[1]} features, "
+                     f"the previous chunks {dim}.")
+  if x.shape[1] == 0:
+    raise ValueError(f"{name} has no features (shape {x.shape}).")
+  y = np.asarray(y)
+  if y.ndim != 1 or y.shape[0] != x.shape[0]:
+    raise ValueError(f"labels must have shape ({x.shape[0]},) to match the features, got "
+                     f"{y.shape} [chunk starting at row {offset}].")
+  if y.dtype == np.bool_ or not np.issubdtype(y.dtype, np.integer):
+    raise TypeError(f"labels must be integers, got dtype {y.dtype}.")
+  bad = np.flatnonzero((y < 0) | (y >= num_classes))
+  if bad.size:
+    raise ValueError(f"{bad.size} label(s) outside 0..{num_classes - 1} (first at rows "
+                     f"{_listed(bad + offset)}).")
+  _check_finite(x, name, offset)
+  return _convert(x, _float_dtype(x.dtype), name, offset), y.astype(np.int32)
+
+
+def finite_stats(stats, what: str = "training features"):
+  """Raises if accumulated statistics over- or underflowed (features far too large)."""
+  for field in ("count", "mean", "sq_dev", "scatter", "pooled_scatter"):
+    value = getattr(stats, field)
+    if value is not None and not bool(np.all(np.isfinite(np.asarray(value)))):
+      raise ValueError(
+          f"The statistics of the {what} overflowed ({field} is not finite): squared "
+          f"feature values exceed the {np.asarray(value).dtype} range. Rescale the features "
+          "(or enable jax_enable_x64).")
