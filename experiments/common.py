@@ -10,11 +10,22 @@ without recomputing.
 The flags shared by several binaries are defined once, here, so that importing more than
 one binary into the same process (tests, notebooks) does not define a flag twice.
 """
-import csv
-import json
-import math
 import os
-import time
+
+# XLA's multi-threaded Eigen pool on CPU can wedge: every worker parks on a condition
+# variable and the execution never completes (seen here in long runs of these binaries on
+# a busy 2-core machine; all threads in futex_wait, CPU time frozen). Single-threaded
+# Eigen avoids it. This must happen before the XLA backend starts, so the binaries import
+# this module before dpmm_jax. Set DPMM_JAX_XLA_EIGEN_THREADS=1 to keep the default.
+if (os.environ.get("DPMM_JAX_XLA_EIGEN_THREADS") != "1"
+    and "xla_cpu_multi_thread_eigen" not in os.environ.get("XLA_FLAGS", "")):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + " --xla_cpu_multi_thread_eigen=false").strip()
+
+import csv  # pylint: disable=g-import-not-at-top,g-bad-import-order
+import json  # pylint: disable=g-import-not-at-top,g-bad-import-order
+import math  # pylint: disable=g-import-not-at-top,g-bad-import-order
+import time  # pylint: disable=g-import-not-at-top,g-bad-import-order
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence
 
 from absl import flags
