@@ -170,9 +170,12 @@ def summarize(records: List[Dict[str, Any]], models: Sequence[str]) -> List[Dict
 
 
 def summary_markdown(summary: List[Dict[str, Any]], models: Sequence[str]) -> str:
-  """Two Markdown tables (AUROC and FPR95, mean ± s.e.): rows = settings, cols = models."""
+  """Markdown tables, rows = settings, columns = models, mean ± s.e. over seeds: AUROC,
+  FPR95 and the paired AUROC difference to the sweep's reference (RMDS for the nu0 sweep,
+  independent RMDS for the N_k sweep)."""
   out = []
-  for sweep, label in (("nu0", "nu0 (N_k = {nk})"), ("nk", "N_k (nu0 = {nu0:g})")):
+  for sweep, label, ref in (("nu0", "nu0 (N_k = {nk})", "rmds"),
+                            ("nk", "N_k (nu0 = {nu0:g})", "indep_rmds")):
     rows = [r for r in summary if r["sweep"] == sweep]
     if not rows:
       continue
@@ -180,18 +183,27 @@ def summary_markdown(summary: List[Dict[str, Any]], models: Sequence[str]) -> st
                   else (k[1], k[0]))
     lookup = {(r["nu0"], r["nk"], r["model"]): r for r in rows}
     first = lookup[keys[0] + (models[0],)]
-    for metric, arrow in (("auroc", "↑"), ("fpr95", "↓")):
+    n = first["num_seeds"]
+    tables = [("auroc", f"AUROC ↑, sweep over {sweep}", models),
+              ("fpr95", f"FPR95 ↓, sweep over {sweep}", models)]
+    if ref in models:
+      tables.append((f"dauroc_vs_{ref}",
+                     f"AUROC − {common.MODEL_LABELS[ref]} AUROC (paired, same data), "
+                     f"sweep over {sweep}", [m for m in models if m != ref]))
+    for metric, title, cols in tables:
       header = [label.format(nk=first["nk"], nu0=first["nu0"])] + [
-          common.MODEL_LABELS[m] for m in models]
+          common.MODEL_LABELS[m] for m in cols]
       body = []
       for k in keys:
         setting = f"{k[0]:g}" if sweep == "nu0" else f"{k[1]}"
-        body.append([setting] + [
-            common.fmt_mean_se(lookup[k + (m,)][f"{metric}_mean"],
-                               lookup[k + (m,)][f"{metric}_se"]) for m in models])
-      n = first["num_seeds"]
-      out.append(f"**{metric.upper()} {arrow}, sweep over {sweep} "
-                 f"(mean ± s.e. over {n} seeds)**\n\n" + common.markdown_table(header, body))
+        cells = []
+        for m in cols:
+          mean, se = lookup[k + (m,)][f"{metric}_mean"], lookup[k + (m,)][f"{metric}_se"]
+          cells.append(f"{mean:+.3f} ± {se:.3f}" if metric.startswith("d")
+                       else common.fmt_mean_se(mean, se))
+        body.append([setting] + cells)
+      out.append(f"**{title} (mean ± s.e. over {n} seeds)**\n\n"
+                 + common.markdown_table(header, body))
   return "\n".join(out)
 
 
