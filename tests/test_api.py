@@ -11,7 +11,7 @@ import dpmm_jax
 from dpmm_jax import metrics
 from dpmm_jax import preprocess
 from dpmm_jax import scores as scores_lib
-from dpmm_jax.models import coupled, diag, full, tied
+from dpmm_jax.models import diag, full
 
 K, D, NK = 4, 5, 30
 
@@ -73,7 +73,9 @@ def test_fit_report_for_em_and_closed_form_models():
   assert report.em is None and report.dim == 3
 
 
-@pytest.mark.parametrize("model", ["coupled", "full", "rmds"])
+# Model-agnostic mechanics (pytree, chunking) use the cheaper-to-compile models; the
+# coupled model's scoring compiles in ~10 s per new input shape.
+@pytest.mark.parametrize("model", ["diag", "full", "rmds"])
 def test_detector_passes_through_jit_and_tree_util(model):
   _, _, x_test, _, x_ood = _data()
   x = np.concatenate([x_test[:30], x_ood[:30]])     # 60 rows: the shape other tests use
@@ -87,7 +89,7 @@ def test_detector_passes_through_jit_and_tree_util(model):
       z = preprocess.apply(d.transform, xs)
       return jnp.max(mahalanobis.rmds_class_scores(d.params, z), -1)
   else:
-    module = {"coupled": coupled, "full": full}[model]
+    module = {"diag": diag, "full": full}[model]
 
     def functional_score(d, xs):
       z = preprocess.apply(d.transform, xs)
@@ -112,7 +114,7 @@ def test_detector_passes_through_jit_and_tree_util(model):
   assert traces == [model]                                   # no retrace for equal shapes
 
 
-@pytest.mark.parametrize("model", ["coupled", "full", "indep_rmds", "msp"])
+@pytest.mark.parametrize("model", ["diag", "full", "indep_rmds", "msp"])
 def test_chunked_scoring_equals_unchunked(model):
   _, _, x_test, _, x_ood = _data()
   x = np.concatenate([x_test[:30], x_ood[:30]])              # M = 60

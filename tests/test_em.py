@@ -73,7 +73,9 @@ def test_log_marginal_likelihood_never_decreases(name):
   assert cache_sizes[1:] == cache_sizes[:1] * 2, cache_sizes
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
+# The bookkeeping is em.run's, shared by all models; the coupled model is left out here
+# because max_iter is static and its EM costs ~10 s of compilation per new value.
+@pytest.mark.parametrize("name", ["diag", "full"])
 def test_max_iter_reached_is_reported_as_not_converged(name):
   module = MODELS[name]
   _, info = module.fit(_synthetic_stats(0, name == "full"), tol=1e-12, max_iter=2)
