@@ -256,7 +256,7 @@ def test_full_model_tends_to_tied_model_as_nu0_grows():
   kappa0 = 1.0 / (1.0 + spread ** 2)
   inliers = slice(0, 40)
   gaps, rhos = [], []
-  for df in (30.0, 1e3, 1e5):
+  for df in (30.0, 1e3, 1e6):                      # 1e6: the default cap on nu0
     p = full.params_from_hyper(_full_hyper(st, df, kappa0), st)
     f_class, f_prior = full.log_predictive(p, xt)
     f_score = scores_lib.dpmm_score(p.log_counts, f_class, f_prior)
@@ -265,11 +265,12 @@ def test_full_model_tends_to_tied_model_as_nu0_grows():
     rhos.append(_spearman(f_score, t_score))
   # Student-t -> Gaussian: log St - log N ~ (maha^2 - 2 (D + 2) maha + D (D + 2)) / (4 nu)
   # shrinks like 1/nu0. For an inlier the score is dominated by its own class and the
-  # prior predictive, both at moderate maha (<~ 30): the gap is < 3e-3 nats at nu0 = 1e5
-  # (far-away classes, with maha ~ 1e3, differ by much more but carry no weight).
-  assert np.all(np.diff(gaps) < 0), gaps
-  assert gaps[-1] < 5e-3, gaps
-  assert gaps[0] > 0.05, gaps
+  # prior predictive, both at moderate maha (<~ 30); far-away classes (maha ~ 1e3) differ
+  # by much more but carry no weight. float64 gives gaps 2.7, 0.25, 2.6e-4 nats; float32
+  # matches (a naive lgamma difference in the Student-t normaliser would add ~0.1 nats
+  # at nu0 = 1e6).
+  assert gaps[1] < 0.2 * gaps[0] and gaps[2] < 0.01 * gaps[1], gaps
+  assert gaps[-1] < 1e-3 and gaps[0] > 1.0, gaps
   assert np.all(np.diff(rhos) >= -1e-4) and rhos[-1] > 0.999, rhos
 
 
@@ -288,7 +289,7 @@ def test_diag_model_tends_to_tied_model_in_preprocessed_space():
   inliers = slice(0, 20)
   t_score = scores_lib.dpmm_score(tp.log_counts, t_class, t_prior)
   gaps, rhos = [], []
-  for df in (30.0, 1e3, 1e5):
+  for df in (30.0, 1e3, 1e6):
     h = _diag_hyper(st, df, 1.0)._replace(mean_concentration=s0)
     p = diag.params_from_hyper(h, st)
     d_class, d_prior = diag.log_predictive(p, zt)
@@ -296,9 +297,9 @@ def test_diag_model_tends_to_tied_model_in_preprocessed_space():
     gaps.append(max(np.max(np.abs(np.asarray(d_score - t_score)[inliers])),
                     np.max(np.abs(np.asarray(d_prior - t_prior)[inliers]))))
     rhos.append(_spearman(d_score, t_score))
-  # The gap shrinks like 1/nu0 (float64: 3.7, 0.31, 0.0034 nats).
-  assert gaps[1] < 0.2 * gaps[0] and gaps[2] < 0.05 * gaps[1], gaps
-  assert gaps[-1] < 5e-3 and gaps[0] > 1.0, gaps
+  # The gap shrinks like 1/nu0 (float64: 3.7, 0.31, 3.4e-4 nats).
+  assert gaps[1] < 0.2 * gaps[0] and gaps[2] < 0.01 * gaps[1], gaps
+  assert gaps[-1] < 1e-3 and gaps[0] > 1.0, gaps
   assert np.all(np.diff(rhos) >= -1e-4) and rhos[-1] > 0.999, rhos
 
 
@@ -313,7 +314,7 @@ def test_full_ranking_approaches_tied_ranking_on_generic_data():
   t_score = scores_lib.dpmm_score(tp.log_counts, *tied.log_predictive(tp, xt))
   hyper, _ = full.fit_hyper(st)
   rhos = []
-  for df in (D + 2.0, 100.0, 1e5):
+  for df in (D + 2.0, 100.0, 1e6):
     p = full.params_from_hyper(hyper._replace(df=jnp.asarray(df, jnp.float32)), st)
     rhos.append(_spearman(scores_lib.dpmm_score(p.log_counts, *full.log_predictive(p, xt)),
                           t_score))
