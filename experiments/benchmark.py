@@ -18,8 +18,6 @@ import os
 import time
 from typing import Any, Dict, Mapping, Optional, Sequence
 
-from experiments import common  # first: sets XLA_FLAGS before the backend starts
-
 from absl import app
 from absl import flags
 from absl import logging
@@ -28,6 +26,7 @@ import numpy as np
 
 import dpmm_jax
 from dpmm_jax import feature_files
+from experiments import common
 
 _NUM_COMPONENTS = flags.DEFINE_integer(
     "benchmark_num_components", None, "Keep this many principal components in the "

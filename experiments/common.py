@@ -10,22 +10,11 @@ without recomputing.
 The flags shared by several binaries are defined once, here, so that importing more than
 one binary into the same process (tests, notebooks) does not define a flag twice.
 """
+import csv
+import json
+import math
 import os
-
-# XLA's multi-threaded Eigen pool on CPU can wedge: every worker parks on a condition
-# variable and the execution never completes (seen here in long runs of these binaries on
-# a busy 2-core machine; all threads in futex_wait, CPU time frozen). Single-threaded
-# Eigen avoids it. This must happen before the XLA backend starts, so the binaries import
-# this module before dpmm_jax. Set DPMM_JAX_XLA_EIGEN_THREADS=1 to keep the default.
-if (os.environ.get("DPMM_JAX_XLA_EIGEN_THREADS") != "1"
-    and "xla_cpu_multi_thread_eigen" not in os.environ.get("XLA_FLAGS", "")):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                             + " --xla_cpu_multi_thread_eigen=false").strip()
-
-import csv  # pylint: disable=g-import-not-at-top,g-bad-import-order
-import json  # pylint: disable=g-import-not-at-top,g-bad-import-order
-import math  # pylint: disable=g-import-not-at-top,g-bad-import-order
-import time  # pylint: disable=g-import-not-at-top,g-bad-import-order
+import time
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence
 
 from absl import flags
@@ -65,10 +54,28 @@ _FAR_OOD = flags.DEFINE_list("far_ood", [], "Far-OOD feature files as name=path 
 
 
 def setup_from_flags(binary: str) -> str:
-  """Applies --float64 and returns the output directory for ``binary``."""
+  """Applies --float64, warns about known runtime problems, returns the output directory."""
   if _FLOAT64.value:
     jax.config.update("jax_enable_x64", True)
+  warn_known_jax_issues()
   return _OUTPUT_DIR.value or os.path.join("results", binary)
+
+
+def warn_known_jax_issues() -> None:
+  """Logs a warning on jax 0.10.x with the CPU backend.
+
+  jaxlib 0.10 splits batched LAPACK calls (Cholesky, triangular solves, eigh) into chunks
+  on XLA's CPU intra-op thread pool and blocks a pool thread until they finish; when as
+  many such calls run concurrently as the pool has threads (2 on a 2-core machine), every
+  thread waits and the program hangs with no CPU use. Seen here in the full-covariance
+  fits at D >= 256 and in the covariance analysis; the same runs finish on jax 0.9.2.
+  """
+  if jax.__version__.startswith("0.10.") and jax.default_backend() == "cpu":
+    logging.warning(
+        "jax %s on CPU: batched LAPACK kernels can deadlock the intra-op thread pool "
+        "(the run stops using CPU and never finishes), most likely with large D. If that "
+        "happens, use jax/jaxlib 0.9.2 (or a release that no longer runs LAPACK batches "
+        "on the pool).", jax.__version__)
 
 
 def seed() -> int:

@@ -26,8 +26,6 @@ import os
 import time
 from typing import Any, Dict, Optional
 
-from experiments import common  # first: sets XLA_FLAGS before the backend starts
-
 from absl import app
 from absl import flags
 from absl import logging
@@ -39,6 +37,7 @@ from dpmm_jax import analysis
 from dpmm_jax import feature_files
 from dpmm_jax import preprocess
 from dpmm_jax import stats as stats_lib
+from experiments import common
 from experiments import highdim
 
 _NUM_COMPONENTS = flags.DEFINE_integer(

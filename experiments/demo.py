@@ -10,8 +10,6 @@ lot) and kappa0 = 1/25; each OOD point comes from its own fresh cluster. Prints 
 """
 from typing import Any, Dict, Optional, Sequence
 
-from experiments import common  # first: sets XLA_FLAGS before the backend starts
-
 from absl import app
 from absl import flags
 from absl import logging
@@ -20,6 +18,7 @@ import numpy as np
 
 import dpmm_jax
 from dpmm_jax import synthetic
+from experiments import common
 
 _NU0 = flags.DEFINE_float("demo_nu0", 4.0, "nu0 of the generating NIW prior (> D + 1).")
 _NK = flags.DEFINE_integer("demo_num_train_per_class", 20,

@@ -20,8 +20,6 @@ Outputs under --output_dir: ``dim_sweep.json``, ``dim_sweep_runs.csv``,
 import os
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-from experiments import common  # first: sets XLA_FLAGS before the backend starts
-
 from absl import app
 from absl import flags
 from absl import logging
@@ -30,6 +28,7 @@ import numpy as np
 
 import dpmm_jax
 from dpmm_jax import feature_files
+from experiments import common
 from experiments import highdim
 
 PAPER_COMPONENTS = (2, 4, 8, 16, 32, 64, 128, 256, 512)

@@ -25,8 +25,6 @@ import math
 import os
 from typing import Any, Dict, List, Optional, Sequence
 
-from experiments import common  # first: sets XLA_FLAGS before the backend starts
-
 from absl import app
 from absl import flags
 from absl import logging
@@ -35,6 +33,7 @@ import numpy as np
 
 import dpmm_jax
 from dpmm_jax import synthetic
+from experiments import common
 
 PAPER_NU0 = (4, 6, 8, 10, 12, 14, 16)
 FULL_NU0 = PAPER_NU0 + (32, 64, 256, 1024)
