@@ -136,6 +136,9 @@ def markdown(result) -> str:
   pct = lambda v: v * 100 if v is not None else float("nan")  # pylint: disable=g-long-lambda
   header = ["model", "ID acc. ↑"]
   for group, names in (("Near", near), ("Far", far)):
+    if len(names) == 1:  # one set: its column is the group's average
+      header += [f"**{group}** ({names[0]}) AUROC ↑ / FPR95 ↓"]
+      continue
     header += [f"{n} AUROC ↑ / FPR95 ↓" for n in names]
     if names:
       header += [f"**{group}** AUROC ↑ / FPR95 ↓"]
@@ -144,9 +147,10 @@ def markdown(result) -> str:
   for model, r in result["results"].items():
     row = [common.MODEL_LABELS.get(model, model), f"{pct(r['accuracy']):.1f}"]
     for group, names in (("near", near), ("far", far)):
-      for n in names:
-        o = r["ood"][n]
-        row.append(f"{pct(o['auroc']):.1f} / {pct(o['fpr95']):.1f}")
+      if len(names) > 1:
+        for n in names:
+          o = r["ood"][n]
+          row.append(f"{pct(o['auroc']):.1f} / {pct(o['fpr95']):.1f}")
       if names:
         row.append(f"**{pct(r[group + '_auroc']):.1f}** / {pct(r[group + '_fpr95']):.1f}")
     row += [f"{common.nan_if_none(r['fit_s']):.2f}", f"{common.nan_if_none(r['score_s']):.2f}"]

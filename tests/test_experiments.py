@@ -105,7 +105,8 @@ def test_benchmark_smoke(tmp_path):
     assert r["far_auroc"] == pytest.approx(
         (r["ood"]["farset"]["auroc"] + r["ood"]["far2"]["auroc"]) / 2)
   table = open(os.path.join(out, "benchmark.md")).read()
-  assert "**Near** AUROC" in table and "**Far** AUROC" in table and "| DPMM diag |" in table
+  assert "**Near** (nearset) AUROC" in table and "**Far** AUROC" in table
+  assert "farset AUROC" in table and "far2 AUROC" in table and "| DPMM diag |" in table
   saved = json.load(open(os.path.join(out, "benchmark.json")))
   assert set(saved["results"]) == {"rmds", "diag", "msp"}
   assert "fit_s" in saved["results"]["rmds"]
