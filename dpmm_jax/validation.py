@@ -18,8 +18,9 @@ What is accepted (see ``docs/failure_modes.md``):
 import numbers
 import operator
 
-import numpy as np
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 _MAX_LISTED = 5
 
@@ -219,14 +220,17 @@ def stats_chunk(x, y, num_classes: int, offset: int = 0, dim=None, name: str = "
   """Checks one (x, y) chunk given to the chunked statistics functions.
 
   Args:
-    x: (n, D) features; y: (n,) integer labels in 0..K-1.
+    x: (n, D) features (numpy or a jax array, which stays on its device); y: (n,) integer
+      labels in 0..K-1.
     num_classes: K.
     offset: index of the chunk's first row in the whole data set (for messages).
     dim: D of the previous chunks (None for the first).
   Returns:
-    (x as a float numpy array, y as int32).
+    (x with a float dtype, y as an int32 numpy array).
   """
-  x = np.asarray(x)
+  on_device = isinstance(x, jax.Array)
+  if not on_device:
+    x = np.asarray(x)
   if not _is_real_numeric(x.dtype):
     raise TypeError(f"{name} must be a real numeric array, got dtype {x.dtype}.")
   if x.ndim != 2:
@@ -247,6 +251,10 @@ def stats_chunk(x, y, num_classes: int, offset: int = 0, dim=None, name: str = "
   if bad.size:
     raise ValueError(f"{bad.size} label(s) outside 0..{num_classes - 1} (first at rows "
                      f"{_listed(bad + offset)}).")
+  if on_device:
+    if jnp.issubdtype(x.dtype, jnp.inexact) and not bool(jnp.all(jnp.isfinite(x))):
+      _check_finite(np.asarray(x), name, offset)
+    return x.astype(_float_dtype(x.dtype)), y.astype(np.int32)
   _check_finite(x, name, offset)
   return _convert(x, _float_dtype(x.dtype), name, offset), y.astype(np.int32)
 
