@@ -18,6 +18,7 @@ Outputs under --output_dir: ``dim_sweep.json``, ``dim_sweep_runs.csv``,
   python -m experiments.dim_sweep --plot_only
 """
 import os
+import textwrap
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from absl import app
@@ -198,9 +199,8 @@ def plot_results(output_dir: str) -> str:
   handles, labels = axes[0].get_legend_handles_labels()
   fig.legend(handles, labels, loc="upper center", ncol=len(cfg["models"]), frameon=False,
              bbox_to_anchor=(0.5, 1.06))
-  src = cfg["source"]
-  fig.text(0.5, -0.03, src if len(src) < 160 else src[:157] + "...", ha="center",
-           fontsize=8)
+  fig.text(0.5, -0.02, "\n".join(textwrap.wrap(cfg["source"], 190)), ha="center",
+           va="top", fontsize=8)
   fig.tight_layout()
   path = common.save_figure(fig, os.path.join(output_dir, "dim_sweep.png"))
   plt.close(fig)
