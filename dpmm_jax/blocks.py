@@ -1,9 +1,14 @@
-"""Bounded-memory evaluation over classes: map a per-class-block function with lax.map.
+"""Bounded-memory evaluation over classes: one block of classes at a time in a loop.
 
 Scoring M points against K classes in D dimensions would naively build (M, K, D) (or
-(M, K, P, D) with quadrature, (M, K, D, D) for full covariances). Instead the class axis
+(M, K, P, D) with quadrature, (M, K, D, D) for full covariances), and an E-step over
+full-covariance classes would hold several (K, D, D) temporaries. Instead the class axis
 is cut into blocks small enough that one block's temporaries stay under a fixed element
-budget, and blocks run sequentially inside one compiled loop.
+budget, and blocks run sequentially inside one compiled loop. Blocks are read with
+dynamic slices and written with dynamic updates, so no padded copy of a (K, D, D) input
+is ever made: when K is not a multiple of the block size, the last block starts at
+K - kb and recomputes a few classes (their results are identical and overwrite
+themselves).
 """
 import jax
 import jax.numpy as jnp
@@ -18,6 +23,23 @@ def class_block_size(num_points: int, num_classes: int, per_pair_elements: int,
   return int(max(1, min(num_classes, budget // max(1, num_points * per_pair_elements))))
 
 
+def _num_classes(per_class) -> int:
+  return jax.tree_util.tree_leaves(per_class)[0].shape[0]
+
+
+def _block_loop(fn, per_class, block_size: int, init, write):
+  num_classes = _num_classes(per_class)
+  num_blocks = -(-num_classes // block_size)
+
+  def body(i, acc):
+    start = jnp.minimum(i * block_size, num_classes - block_size)
+    block = jax.tree_util.tree_map(
+        lambda leaf: jax.lax.dynamic_slice_in_dim(leaf, start, block_size, 0), per_class)
+    return write(acc, fn(block), start)
+
+  return jax.lax.fori_loop(0, num_blocks, body, init)
+
+
 def map_class_blocks(fn, per_class, block_size: int):
   """Applies ``fn`` to blocks of classes and concatenates along the class axis.
 
@@ -28,17 +50,47 @@ def map_class_blocks(fn, per_class, block_size: int):
   Returns:
     (M, K) array.
   """
-  num_classes = jax.tree_util.tree_leaves(per_class)[0].shape[0]
-  num_blocks = -(-num_classes // block_size)
-  pad = num_blocks * block_size - num_classes
-
-  def to_blocks(leaf):
-    # Edge padding repeats a real class, so padded lanes never produce NaN.
-    leaf = jnp.pad(leaf, [(0, pad)] + [(0, 0)] * (leaf.ndim - 1), mode="edge")
-    return leaf.reshape((num_blocks, block_size) + leaf.shape[1:])
-
-  if num_blocks == 1 and pad == 0:
+  num_classes = _num_classes(per_class)
+  block_size = int(max(1, min(block_size, num_classes)))
+  if block_size == num_classes:
     return fn(per_class)
-  out = jax.lax.map(fn, jax.tree_util.tree_map(to_blocks, per_class))  # (nb, M, kb)
-  out = jnp.moveaxis(out, 0, 1).reshape(out.shape[1], num_blocks * block_size)
-  return out[:, :num_classes]
+  shapes = jax.tree_util.tree_map(
+      lambda leaf: jax.ShapeDtypeStruct((block_size,) + leaf.shape[1:], leaf.dtype),
+      per_class)
+  out = jax.eval_shape(fn, shapes)
+  init = jnp.zeros((out.shape[0], num_classes), out.dtype)
+  return _block_loop(
+      fn, per_class, block_size, init,
+      lambda acc, res, start: jax.lax.dynamic_update_slice_in_dim(acc, res, start, 1))
+
+
+def map_blocks(fn, per_class, block_size: int):
+  """Applies ``fn`` to blocks of classes; outputs keep a leading class axis.
+
+  Unlike ``map_class_blocks`` (which returns (M, K) score matrices), ``fn`` may return any
+  pytree whose leaves have leading axis kb (per-class results of an E-step, per-class
+  Cholesky factors, ...). Only one block's temporaries are alive at a time.
+
+  Args:
+    fn: pytree of per-class arrays with leading axis kb -> pytree, leaves (kb, ...).
+    per_class: pytree whose leaves all have leading axis K.
+    block_size: kb (static).
+  Returns:
+    pytree with leaves (K, ...).
+  """
+  num_classes = _num_classes(per_class)
+  block_size = int(max(1, min(block_size, num_classes)))
+  if block_size == num_classes:
+    return fn(per_class)
+  shapes = jax.tree_util.tree_map(
+      lambda leaf: jax.ShapeDtypeStruct((block_size,) + leaf.shape[1:], leaf.dtype),
+      per_class)
+  out = jax.eval_shape(fn, shapes)
+  init = jax.tree_util.tree_map(
+      lambda s: jnp.zeros((num_classes,) + s.shape[1:], s.dtype), out)
+
+  def write(acc, res, start):
+    return jax.tree_util.tree_map(
+        lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r, start, 0), acc, res)
+
+  return _block_loop(fn, per_class, block_size, init, write)

@@ -6,12 +6,30 @@ summarised chunk by chunk (``from_chunks``) and the parts are combined with the 
 pairwise update of Chan et al. (``merge``). Means and *centred* scatter are kept instead of
 raw moments: ``sum x x^T - N xbar xbar^T`` loses all precision in float32 when the data
 are far from the origin.
+
+Streaming (``update``) adds a chunk to running statistics with the batched form of
+Welford's update, which is Chan's merge written per row: with ``m`` the class mean before
+and ``m'`` after the chunk,
+
+    S' = S + sum_{n in chunk, y_n = k} (x_n - m)(x_n - m')^T,
+
+and the same elementwise for the squared deviations. Both factors are centred on the
+class, so nothing cancels in float32. The per-class products are matrix products: the
+chunk is sorted by label and each class's rows are cut into windows of at most
+``block_size`` rows (the last window of a class is rounded up to a power of two, at least
+8, and its surplus rows are masked), and one (D, W) x (W, D) product per window is added in
+place into that class's (D, D) block. The work is 2 N D^2 flops in GEMMs, and no
+(B, D, D) temporary is formed. Counts and means need only segment sums.
 """
+import functools
+import mmap
 from typing import Iterable, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from dpmm_jax import validation
 
 
 class SufficientStats(NamedTuple):
@@ -45,9 +63,158 @@ def _segment_sum(values, labels, num_classes):
   return jax.ops.segment_sum(values, labels, num_segments=num_classes)
 
 
+# Smallest window (rows) of the per-class scatter products.
+_MIN_WINDOW = 8
+
+
+def empty(num_classes: int, dim: int, full: bool = True, dtype=jnp.float32) -> SufficientStats:
+  """Statistics of no data (the identity of ``merge`` and the start of ``update``)."""
+  zeros = functools.partial(jnp.zeros, dtype=dtype)
+  return SufficientStats(zeros((num_classes,)), zeros((num_classes, dim)),
+                         zeros((num_classes, dim)),
+                         zeros((num_classes, dim, dim)) if full else None, zeros((dim, dim)))
+
+
+def _window_sizes(block_size: int):
+  """Static window lengths: powers of two from _MIN_WINDOW below block_size, then it."""
+  sizes, w = [], min(_MIN_WINDOW, block_size)
+  while w < block_size:
+    sizes.append(w)
+    w *= 2
+  return tuple(sizes) + (block_size,)
+
+
+def _class_windows(counts, block_size: int, max_items: int):
+  """Work list over class-sorted rows: one item per window of at most block_size rows.
+
+  Args:
+    counts: (K,) int rows per class (rows sorted by class, classes in order).
+    block_size: window length W (static).
+    max_items: static bound on the number of items (N // W + K).
+  Returns:
+    (class (I,), start (I,), length (I,), branch (I,) index into ``_window_sizes``,
+    number of items ()). Entries past the number of items are unused.
+  """
+  num_classes = counts.shape[0]
+  sizes = jnp.asarray(_window_sizes(block_size), jnp.int32)
+  full_windows = counts // block_size
+  per_class = full_windows + (counts > full_windows * block_size).astype(counts.dtype)
+  ends = jnp.cumsum(per_class)
+  offsets = jnp.cumsum(counts) - counts
+  item = jnp.arange(max_items, dtype=counts.dtype)
+  k = jnp.minimum(jnp.searchsorted(ends, item, side="right"), num_classes - 1)
+  j = item - (ends[k] - per_class[k])
+  length = jnp.minimum(block_size, counts[k] - j * block_size)
+  branch = jnp.searchsorted(sizes, length, side="left")
+  return k, offsets[k] + j * block_size, length, branch, ends[-1]
+
+
+def _add_class_products(scatter, pooled, a, c, counts, block_size: int):
+  """scatter[k] += a_k^T c_k and pooled += sum_k a_k^T c_k over class-sorted rows.
+
+  Args:
+    scatter: (K, D, D) accumulator (updated in place inside the loop).
+    pooled: (D, D) accumulator.
+    a, c: (B, D) rows sorted by class (``counts`` rows of class 0 first, ...).
+    counts: (K,) int rows per class among the first sum(counts) rows.
+    block_size: maximal window (static).
+  """
+  n = a.shape[0]
+  block_size = max(1, min(block_size, n))
+  sizes = _window_sizes(block_size)
+  k, start, length, branch, num_items = _class_windows(
+      counts, block_size, n // block_size + counts.shape[0])
+
+  def window(size, s, ln):
+    # dynamic_slice clamps the start to n - size; mask rows outside [s, s + ln).
+    s0 = jnp.clip(s, 0, n - size)
+    rows = s0 + jnp.arange(size, dtype=s.dtype)
+    keep = ((rows >= s) & (rows < s + ln))[:, None]
+    aw = jnp.where(keep, jax.lax.dynamic_slice_in_dim(a, s0, size), 0.0)
+    cw = jax.lax.dynamic_slice_in_dim(c, s0, size)
+    return aw.T @ cw
+
+  branches = [functools.partial(window, size) for size in sizes]
+
+  def body(i, carry):
+    acc, pool = carry
+    u = jax.lax.switch(branch[i], branches, start[i], length[i])
+    cur = jax.lax.dynamic_index_in_dim(acc, k[i], keepdims=False)
+    return jax.lax.dynamic_update_index_in_dim(acc, cur + u, k[i], 0), pool + u
+
+  return jax.lax.fori_loop(0, num_items, body, (scatter, pooled))
+
+
+def _update(stats: SufficientStats, x, y, block_size: int, axis_name=None):
+  """``update``; with ``axis_name`` (inside shard_map / pmap over the rows) the counts and
+  means are summed over the axis, while sq_dev, scatter and pooled_scatter stay
+  per-device partial sums (the caller sums them once at the end)."""
+  num_classes = stats.num_classes
+  dtype = stats.mean.dtype
+  x = jnp.asarray(x, dtype)
+  y = jnp.asarray(y, jnp.int32)
+  valid = (y >= 0) & (y < num_classes)
+  key = jnp.where(valid, y, num_classes)                     # invalid rows sort last
+  safe_key = jnp.minimum(key, num_classes - 1)
+  local_counts = jnp.bincount(key, length=num_classes + 1)[:num_classes]
+  mean_old = stats.mean
+  # Sums of x - m (m = old mean, zero for a new class): the mean update is centred.
+  shifted = _segment_sum(x - mean_old[safe_key], key, num_classes)
+  chunk_counts = local_counts.astype(dtype)
+  if axis_name is not None:
+    chunk_counts = jax.lax.psum(chunk_counts, axis_name)
+    shifted = jax.lax.psum(shifted, axis_name)
+  count = stats.count + chunk_counts
+  mean = mean_old + shifted / jnp.maximum(count, 1.0)[:, None]
+  # A class seen for the first time is centred on its new mean in both factors.
+  ref_old = jnp.where((stats.count > 0)[:, None], mean_old, mean)
+
+  order = jnp.argsort(key, stable=True)
+  key_sorted = key[order]
+  safe_sorted = jnp.minimum(key_sorted, num_classes - 1)
+  valid_sorted = (key_sorted < num_classes)[:, None]
+  x_sorted = x[order]
+  a = jnp.where(valid_sorted, x_sorted - ref_old[safe_sorted], 0.0)
+  c = jnp.where(valid_sorted, x_sorted - mean[safe_sorted], 0.0)
+  sq_dev = stats.sq_dev + jax.ops.segment_sum(a * c, key_sorted, num_classes,
+                                              indices_are_sorted=True)
+  if stats.scatter is None:
+    return SufficientStats(count, mean, sq_dev, None, stats.pooled_scatter + a.T @ c)
+  scatter, pooled = _add_class_products(stats.scatter, stats.pooled_scatter, a, c,
+                                        local_counts, block_size)
+  return SufficientStats(count, mean, sq_dev, scatter, pooled)
+
+
+@functools.partial(jax.jit, static_argnames=("block_size",))
+def update(stats: SufficientStats, x, y, block_size: int = 128) -> SufficientStats:
+  """Adds one chunk to running statistics (exact: equals ``merge(stats, from_labels(x, y))``).
+
+  Rows whose label lies outside ``[0, K)`` are ignored. The scatter blocks may be
+  asymmetric at round-off level until ``finalize``.
+
+  Args:
+    stats: running statistics (``empty(...)`` to start); with or without ``scatter``.
+    x: (B, D) features; y: (B,) integer labels.
+    block_size: maximal rows per per-class product window (static).
+  Returns:
+    SufficientStats of the union.
+  """
+  return _update(stats, x, y, block_size)
+
+
+def finalize(stats: SufficientStats) -> SufficientStats:
+  """Symmetrises the (K, D, D) and (D, D) scatters (removes round-off asymmetry)."""
+  scatter = None
+  if stats.scatter is not None:
+    scatter = 0.5 * (stats.scatter + jnp.swapaxes(stats.scatter, -1, -2))
+  pooled = 0.5 * (stats.pooled_scatter + stats.pooled_scatter.T)
+  return stats._replace(scatter=scatter, pooled_scatter=pooled)
+
+
+@functools.partial(jax.jit, static_argnames=("num_classes", "full", "block_size"))
 def from_labels(x, y, num_classes: int, full: bool = True,
                 block_size: int = 128) -> SufficientStats:
-  """Sufficient statistics of one in-memory chunk (two-pass: means, then centred sums).
+  """Sufficient statistics of one in-memory chunk (means first, then centred sums).
 
   Rows whose label lies outside ``[0, num_classes)`` are ignored; ``from_chunks`` uses
   label -1 to pad the last chunk so every chunk has one shape (one compilation).
@@ -57,38 +224,20 @@ def from_labels(x, y, num_classes: int, full: bool = True,
     y: (N,) integer labels.
     num_classes: K (static).
     full: also accumulate the per-class (K, D, D) scatter (static).
-    block_size: rows per block when accumulating outer products (bounds the (B, D, D)
-      temporary; static).
+    block_size: maximal rows per per-class product window (static; see module doc).
   Returns:
     SufficientStats of the chunk.
   """
+  # Jitted as a whole: eagerly, the window loop would compile op by op.
   x = jnp.asarray(x)
-  y = jnp.asarray(y, jnp.int32)
-  valid = ((y >= 0) & (y < num_classes)).astype(x.dtype)
-  count = _segment_sum(valid, y, num_classes)
-  mean = _segment_sum(x * valid[:, None], y, num_classes) / jnp.maximum(count, 1.0)[:, None]
-  centred = (x - mean[jnp.clip(y, 0, num_classes - 1)]) * valid[:, None]
-  sq_dev = _segment_sum(centred * centred, y, num_classes)
-  pooled = centred.T @ centred
-  scatter = None
-  if full:
-    n, dim = centred.shape
-    num_blocks = -(-n // block_size)
-    pad = num_blocks * block_size - n
-    blocks_x = jnp.pad(centred, ((0, pad), (0, 0))).reshape(num_blocks, block_size, dim)
-    blocks_y = jnp.pad(y, (0, pad), constant_values=-1).reshape(num_blocks, block_size)
-
-    def add_block(acc, block):
-      xb, yb = block
-      outer = xb[:, :, None] * xb[:, None, :]
-      return acc + _segment_sum(outer, yb, num_classes), None
-
-    scatter, _ = jax.lax.scan(add_block, jnp.zeros((num_classes, dim, dim), x.dtype),
-                              (blocks_x, blocks_y))
-  return SufficientStats(count, mean, sq_dev, scatter, pooled)
+  dtype = x.dtype if jnp.issubdtype(x.dtype, jnp.floating) else jnp.float32
+  start = empty(num_classes, x.shape[-1], full, dtype)
+  return finalize(_update(start, x, y, block_size))
 
 
-_from_labels_jit = jax.jit(from_labels, static_argnames=("num_classes", "full", "block_size"))
+_from_labels_jit = from_labels
+_update_jit = jax.jit(_update, static_argnames=("block_size", "axis_name"), donate_argnums=(0,))
+_finalize_jit = jax.jit(finalize, donate_argnums=(0,))
 
 
 def merge(a: SufficientStats, b: SufficientStats) -> SufficientStats:
@@ -116,53 +265,99 @@ def merge(a: SufficientStats, b: SufficientStats) -> SufficientStats:
 _merge_jit = jax.jit(merge)
 
 
+def _release_pages(view) -> None:
+  """Drops the pages of a read-only ``np.memmap`` slice from this process's resident set.
+
+  Reading a memory-mapped file maps its pages into the process: without this, streaming a
+  4 GB feature file leaves 4 GB resident (they stay in the OS page cache, so a second
+  pass is still fast). Only read-only maps (mode "r") are touched: their pages are clean
+  and simply re-read on the next access. Any failure leaves the pages mapped.
+  """
+  mm = getattr(view, "_mmap", None)
+  if mm is None or getattr(view, "mode", None) != "r" or not hasattr(mm, "madvise"):
+    return
+  try:
+    base = np.frombuffer(mm, np.uint8).ctypes.data
+    lo = view.ctypes.data - base
+    hi = lo + view.nbytes
+    page = mmap.PAGESIZE
+    lo = -(-lo // page) * page
+    hi = (hi // page) * page
+    if hi > lo:
+      mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+  except (AttributeError, OSError, ValueError, TypeError):
+    pass
+
+
 def iterate_chunks(x, y, chunk_size: int) -> Iterable[Tuple[np.ndarray, np.ndarray]]:
-  """Yields (x, y) row chunks of arrays that may be ``np.memmap`` (only one chunk in RAM)."""
+  """Yields (x, y) row chunks of arrays that may be ``np.memmap`` (only one chunk in RAM).
+
+  Pages of a read-only memory map are released once the consumer asks for the next chunk.
+  """
   for start in range(0, x.shape[0], chunk_size):
-    yield np.asarray(x[start:start + chunk_size]), np.asarray(y[start:start + chunk_size])
+    xs, ys = x[start:start + chunk_size], y[start:start + chunk_size]
+    yield np.asarray(xs), np.asarray(ys)
+    _release_pages(xs)
+    _release_pages(ys)
+
+
+def _pad_chunk(xs, ys, rows: int):
+  pad = rows - xs.shape[0]
+  if pad:
+    xs = np.concatenate([xs, np.zeros((pad, xs.shape[1]), xs.dtype)])
+    ys = np.concatenate([ys, -np.ones(pad, ys.dtype)])
+  return xs, ys
 
 
 def from_chunks(chunks: Iterable[Tuple[np.ndarray, np.ndarray]], num_classes: int,
                 full: bool = True, chunk_size: Optional[int] = None,
-                dtype=None) -> SufficientStats:
-  """Streams statistics over (x, y) chunks, merging exactly; pads chunks to one shape.
+                dtype=None, block_size: int = 128) -> SufficientStats:
+  """Streams statistics over (x, y) chunks; pads chunks to one shape (one compilation).
+
+  The running statistics are updated in place (``update`` with donated buffers), so the
+  peak memory is one (K, D, D) scatter plus a few chunk-sized arrays.
 
   Args:
-    chunks: iterable of ((n_i, D) features, (n_i,) labels); e.g. ``iterate_chunks``.
+    chunks: iterable of ((n_i, D) features, (n_i,) labels in 0..K-1); e.g.
+      ``iterate_chunks``. Each chunk is checked (``validation.stats_chunk``: shapes,
+      integer labels in range, finite features; errors name the global row).
     num_classes: K.
     full: accumulate per-class full scatter.
     chunk_size: pad every chunk to this many rows so that a single compilation serves
       all chunks (defaults to the first chunk's size).
     dtype: accumulation dtype (defaults to the first chunk's float dtype).
+    block_size: maximal rows per per-class product window.
   Returns:
     SufficientStats of all chunks together.
   """
-  total = None
+  total, offset = None, 0
   for xc, yc in chunks:
-    xc = np.asarray(xc)
+    # Labels must lie in 0..K-1 here (padding rows are added below), rows finite.
+    xc, yc = validation.stats_chunk(xc, yc, num_classes, offset,
+                                    None if total is None else total.dim)
+    offset += xc.shape[0]
     if dtype is None:
       dtype = jnp.asarray(xc[:1]).dtype
     if chunk_size is None:
       chunk_size = xc.shape[0]
+    if total is None:
+      total = empty(num_classes, xc.shape[1], full, dtype)
     for start in range(0, xc.shape[0], chunk_size):
-      xs, ys = xc[start:start + chunk_size], np.asarray(yc[start:start + chunk_size])
-      pad = chunk_size - xs.shape[0]
-      if pad:
-        xs = np.concatenate([xs, np.zeros((pad, xs.shape[1]), xs.dtype)])
-        ys = np.concatenate([ys, -np.ones(pad, ys.dtype)])
-      part = _from_labels_jit(jnp.asarray(xs, dtype), jnp.asarray(ys, jnp.int32),
-                              num_classes=num_classes, full=full)
-      total = part if total is None else _merge_jit(total, part)
+      xs, ys = _pad_chunk(xc[start:start + chunk_size],
+                          np.asarray(yc[start:start + chunk_size]), chunk_size)
+      total = _update_jit(total, jnp.asarray(xs, dtype), jnp.asarray(ys, jnp.int32),
+                          block_size=block_size)
   if total is None:
     raise ValueError("from_chunks received no data.")
-  return total
+  return _finalize_jit(total)
 
 
 def from_arrays(x, y, num_classes: int, full: bool = True,
-                chunk_size: int = 65536, dtype=None) -> SufficientStats:
+                chunk_size: int = 65536, dtype=None, block_size: int = 128) -> SufficientStats:
   """Statistics of (possibly memory-mapped) arrays, ``chunk_size`` rows at a time."""
   return from_chunks(iterate_chunks(x, y, chunk_size), num_classes, full=full,
-                     chunk_size=min(chunk_size, x.shape[0]), dtype=dtype)
+                     chunk_size=min(chunk_size, x.shape[0]), dtype=dtype,
+                     block_size=block_size)
 
 
 # ----------------------------------------------------------------------------- derived

@@ -64,10 +64,14 @@ def class_distances(params: Params, x):
   if params.class_white is None:
     return linalg.mahalanobis_sq(x, params.means, params.within_white)
 
+  # (x - m_k) W_k = x W_k - m_k W_k as (M, D) x (D, D) products, both sides centred on
+  # the global mean first so that a large common offset does not cancel.
+  xc = x - params.loc0
+
   def block(per_class):
     means, white = per_class
-    d = x[None, :, :] - means[:, None, :]                          # (kb, M, D)
-    dw = jnp.einsum("kmd,kde->kme", d, white)
+    dw = (jnp.einsum("md,kde->kme", xc, white)
+          - jnp.einsum("kd,kde->ke", means - params.loc0, white)[:, None, :])
     return jnp.sum(dw * dw, -1).T
 
   size = blocks.class_block_size(x.shape[0], params.means.shape[0], x.shape[-1])

@@ -1,0 +1,341 @@
+"""Scale machinery: compile counts, chunking equivalence, the blocked / spectral / series
+fast paths against direct references.
+
+Speed itself is measured by benchmarks/run.py (tables with ratios), never asserted here.
+Tolerances are float32: a sum of n terms of size s carries ~sqrt(n) eps s of round-off
+(eps = 1.2e-7); each bound below leaves a margin of ~10 over that and is far below the
+O(1) error of a wrong formula.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import special as sps
+
+from dpmm_jax import api
+from dpmm_jax import blocks
+from dpmm_jax import em
+from dpmm_jax import stats as stats_lib
+from dpmm_jax.models import coupled, diag, full
+
+
+def _labelled(seed, n, num_classes, dim, offset=10.0, sort=False):
+  rng = np.random.default_rng(seed)
+  y = rng.integers(0, num_classes, n).astype(np.int32)
+  if sort:
+    y = np.sort(y)
+  mix = rng.normal(size=(num_classes, dim, dim)) / np.sqrt(dim) + np.eye(dim)
+  x = (np.einsum("nd,nde->ne", rng.normal(size=(n, dim)), mix[y])
+       + 3.0 * rng.normal(size=(num_classes, dim))[y] + offset)
+  return x.astype(np.float32), y
+
+
+def _reference_stats(x, y, num_classes):
+  x = np.asarray(x, np.float64)
+  dim = x.shape[1]
+  count = np.zeros(num_classes)
+  mean = np.zeros((num_classes, dim))
+  scatter = np.zeros((num_classes, dim, dim))
+  for k in range(num_classes):
+    xk = x[y == k]
+    count[k] = len(xk)
+    if len(xk):
+      mean[k] = xk.mean(0)
+      scatter[k] = (xk - mean[k]).T @ (xk - mean[k])
+  return count, mean, scatter
+
+
+def _assert_matches_reference(got, x, y, num_classes, rtol=2e-5):
+  count, mean, scatter = _reference_stats(x, y, num_classes)
+  np.testing.assert_array_equal(np.asarray(got.count), count)
+  np.testing.assert_allclose(got.mean, mean, rtol=rtol, atol=rtol * (np.abs(mean).max() + 1))
+  scale = np.abs(scatter.sum(0)).max()
+  if got.scatter is not None:
+    np.testing.assert_allclose(got.scatter, scatter, rtol=rtol, atol=rtol * scale)
+  np.testing.assert_allclose(got.sq_dev, np.einsum("kdd->kd", scatter), rtol=rtol,
+                             atol=rtol * scale)
+  np.testing.assert_allclose(got.pooled_scatter, scatter.sum(0), rtol=rtol, atol=rtol * scale)
+
+
+# ------------------------------------------------------------------------- statistics
+def test_window_work_list_covers_every_row_once():
+  rng = np.random.default_rng(0)
+  block = 32
+  sizes = np.asarray(stats_lib._window_sizes(block))
+  np.testing.assert_array_equal(sizes, [8, 16, 32])
+  counts = rng.integers(0, 100, 9).astype(np.int32)
+  counts[3] = 0
+  n = int(counts.sum())
+  k, start, length, branch, num = map(np.asarray, stats_lib._class_windows(
+      jnp.asarray(counts), block, n // block + len(counts)))
+  num = int(num)
+  covered = np.zeros(n, int)
+  offsets = np.cumsum(counts) - counts
+  for i in range(num):
+    assert 0 < length[i] <= sizes[branch[i]]
+    assert branch[i] == 0 or sizes[branch[i] - 1] < length[i]      # smallest window
+    assert offsets[k[i]] <= start[i] and start[i] + length[i] <= offsets[k[i]] + counts[k[i]]
+    covered[start[i]:start[i] + length[i]] += 1
+  np.testing.assert_array_equal(covered, 1)
+
+
+@pytest.mark.parametrize("sort", [False, True])
+@pytest.mark.parametrize("block_size", [8, 24, 128])
+def test_from_labels_matches_reference_for_any_window(sort, block_size):
+  x, y = _labelled(1, 700, 6, 5, sort=sort)
+  y[::37] = -1                                  # ignored rows anywhere in the sort
+  y[y == 4] = 9                                 # class 4 empty, label 9 out of range
+  got = stats_lib.from_labels(x, y, 6, block_size=block_size)
+  _assert_matches_reference(got, x, y, 6)
+  np.testing.assert_array_equal(np.asarray(got.scatter),
+                                np.swapaxes(np.asarray(got.scatter), -1, -2))
+
+
+def test_update_equals_merge_of_chunk_statistics():
+  x, y = _labelled(2, 900, 4, 3, offset=100.0)
+  a = stats_lib.from_labels(x[:500], y[:500], 4)
+  merged = stats_lib.merge(a, stats_lib.from_labels(x[500:], y[500:], 4))
+  updated = stats_lib.finalize(stats_lib.update(a, x[500:], y[500:]))
+  for name in ("count", "mean", "sq_dev", "scatter", "pooled_scatter"):
+    want = np.asarray(getattr(merged, name))
+    np.testing.assert_allclose(getattr(updated, name), want, rtol=2e-5,
+                               atol=2e-5 * np.abs(want).max(), err_msg=name)
+  _assert_matches_reference(updated, x, y, 4)
+
+
+@pytest.mark.parametrize("full_stats", [True, False])
+def test_streaming_a_memmap_compiles_once_and_matches(tmp_path, full_stats):
+  num_classes, dim = 3, 7          # a shape no other test uses: a fresh compilation
+  x, y = _labelled(3, 1234, num_classes, dim, offset=50.0)
+  np.save(tmp_path / "x.npy", x)
+  np.save(tmp_path / "y.npy", y)
+  xm = np.load(tmp_path / "x.npy", mmap_mode="r")
+  ym = np.load(tmp_path / "y.npy", mmap_mode="r")
+  before = stats_lib._update_jit._cache_size()
+  got = stats_lib.from_arrays(xm, ym, num_classes, full=full_stats, chunk_size=100)
+  assert stats_lib._update_jit._cache_size() - before == 1        # 13 chunks, 1 trace
+  _assert_matches_reference(got, x, y, num_classes)
+  again = stats_lib.from_arrays(xm, ym, num_classes, full=full_stats, chunk_size=100)
+  assert stats_lib._update_jit._cache_size() - before == 1
+  np.testing.assert_array_equal(np.asarray(again.mean), np.asarray(got.mean))
+
+
+def test_release_pages_keeps_memmap_contents(tmp_path):
+  x = np.arange(40000, dtype=np.float32).reshape(4000, 10)
+  np.save(tmp_path / "x.npy", x)
+  xm = np.load(tmp_path / "x.npy", mmap_mode="r")
+  chunks = [c.copy() for c, _ in stats_lib.iterate_chunks(xm, np.zeros(4000, np.int32), 999)]
+  np.testing.assert_array_equal(np.concatenate(chunks), x)
+  np.testing.assert_array_equal(np.asarray(xm[:5]), x[:5])      # re-read after release
+
+
+# -------------------------------------------------------------------------- blocks
+@pytest.mark.parametrize("block_size", [1, 3, 7, 10])
+def test_class_blocks_equal_unblocked(block_size):
+  rng = np.random.default_rng(4)
+  a = jnp.asarray(rng.normal(size=(10, 3, 2)), jnp.float32)
+  b = jnp.asarray(rng.normal(size=(10,)), jnp.float32)
+  xs = jnp.asarray(rng.normal(size=(5, 3)), jnp.float32)
+
+  def scores(per_class):
+    aa, bb = per_class
+    return (jnp.einsum("md,kde->mk", xs, aa) + bb[None]) ** 2
+
+  def per_class_fn(per_class):
+    aa, bb = per_class
+    return {"s": jnp.sum(aa, (1, 2)) * bb, "t": aa * 2.0}
+
+  np.testing.assert_allclose(blocks.map_class_blocks(scores, (a, b), block_size),
+                             scores((a, b)), rtol=1e-6)
+  got = blocks.map_blocks(per_class_fn, (a, b), block_size)
+  want = per_class_fn((a, b))
+  np.testing.assert_allclose(got["s"], want["s"], rtol=1e-6)
+  np.testing.assert_allclose(got["t"], want["t"], rtol=1e-6)
+
+
+# ---------------------------------------------------------------------- compilation
+def _fit_traces(module, st, **kw):
+  before = module._fit._cache_size()
+  jax.block_until_ready(module.fit(st, **kw))
+  return module._fit._cache_size() - before
+
+
+@pytest.mark.parametrize("module", [diag, coupled, full])
+def test_fit_traces_once_per_shape(module):
+  num_classes, dim = 3, 9                         # shape private to this test
+  x1, y1 = _labelled(5, 300, num_classes, dim)
+  x2, y2 = _labelled(6, 300, num_classes, dim)
+  st1 = stats_lib.from_labels(x1, y1, num_classes, full=module is full)
+  st2 = stats_lib.from_labels(x2, y2, num_classes, full=module is full)
+  assert _fit_traces(module, st1, max_iter=20) == 1
+  assert _fit_traces(module, st2, max_iter=20) == 0          # new data, same shape
+  assert _fit_traces(module, st2, max_iter=20, tol=1e-4) == 0   # traced scalars
+
+
+def test_api_scoring_traces_once_for_all_chunks():
+  x, y = _labelled(7, 400, 3, 11)
+  det = api.fit_detector(x, y, model="diag")
+  before = api._evaluate_chunk._cache_size()
+  api.score(det, np.concatenate([x, x[:53]]), chunk_size=64)    # 8 chunks + a short one
+  assert api._evaluate_chunk._cache_size() - before == 1
+
+
+# ---------------------------------------------------------------- full covariance
+def _full_stats(seed, num_classes, dim, per_class):
+  x, y = _labelled(seed, num_classes * per_class, num_classes, dim, offset=5.0)
+  return stats_lib.from_labels(x, y, num_classes)
+
+
+@pytest.mark.parametrize("dim", [12, 300])   # 300: eigenvalues from the tridiagonal form
+def test_spectral_em_equals_blocked_em(dim):
+  st = _full_stats(8, 3, dim, 2 * dim)
+  hyper, info = full.fit_hyper(st, max_iter=8, tol=0.0)
+  blocked_hyper, blocked_info = em.run(full.em_step, full.log_marginal_likelihood,
+                                       full.init_hyper(st), st, tol=0.0, max_iter=8)
+  np.testing.assert_allclose(info.log_marginal_trace, blocked_info.log_marginal_trace,
+                             rtol=2e-5)
+  np.testing.assert_allclose(hyper.df, blocked_hyper.df, rtol=2e-4)
+  np.testing.assert_allclose(hyper.mean_concentration, blocked_hyper.mean_concentration,
+                             rtol=2e-4)
+
+
+def test_triangular_inverse_matches_numpy():
+  rng = np.random.default_rng(9)
+  a = rng.normal(size=(2, 300, 300))
+  chol = np.linalg.cholesky(np.einsum("kij,klj->kil", a, a) / 300 + np.eye(300))
+  got = full.triangular_inverse(jnp.asarray(chol, jnp.float32))
+  np.testing.assert_allclose(np.asarray(got, np.float64) @ chol, np.broadcast_to(
+      np.eye(300), chol.shape), atol=2e-5)
+  assert np.all(np.triu(np.asarray(got[0]), 1) == 0)
+
+
+def test_full_scoring_matches_triangular_solves():
+  dim = 300
+  st = _full_stats(10, 3, dim, 2 * dim)
+  params, _ = full.fit(st, max_iter=5)
+  rng = np.random.default_rng(11)
+  x = (5.0 + 2.0 * rng.normal(size=(40, dim))).astype(np.float32)
+  class_lp, prior_lp = full.log_predictive(params, x)
+  pred = params.class_pred
+  x64 = np.asarray(x, np.float64)
+  for k in range(3):
+    chol = np.asarray(pred.chol_scale[k], np.float64)
+    z = np.linalg.solve(chol, (x64 - np.asarray(pred.loc[k], np.float64)).T)
+    df = float(pred.df[k])
+    want = (sps.gammaln(0.5 * (df + dim)) - sps.gammaln(0.5 * df)
+            - 0.5 * dim * np.log(df * np.pi) - np.sum(np.log(np.diag(chol)))
+            - 0.5 * (df + dim) * np.log1p(np.sum(z * z, 0) / df))
+    np.testing.assert_allclose(class_lp[:, k], want, rtol=1e-5, atol=2e-3)
+  assert prior_lp.shape == (40,) and np.all(np.isfinite(prior_lp))
+
+
+# --------------------------------------------------------------------- diagonal t
+def test_diag_scoring_matches_float64_including_huge_df():
+  rng = np.random.default_rng(12)
+  num_classes, dim = 4, 16
+  df = np.exp(rng.uniform(np.log(3.0), np.log(1e6), size=(num_classes, dim)))
+  loc = rng.normal(size=(num_classes, dim))
+  scale_sq = rng.uniform(0.5, 2.0, size=(num_classes, dim))
+  x = rng.normal(size=(30, dim)) * 2.0
+  terms = diag.t_terms(*(jnp.asarray(a, jnp.float32) for a in (df, loc, scale_sq)))
+  got = diag.t_terms_block(jnp.asarray(x, jnp.float32), terms)
+  from scipy import stats as st
+  want = st.t.logpdf(x[:, None, :], df[None], loc[None], np.sqrt(scale_sq)[None]).sum(-1)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-3)
+
+
+# ------------------------------------------------------------------------ coupled
+def _coupled_stats(seed, num_classes, dim, per_class):
+  rng = np.random.default_rng(seed)
+  n = num_classes * per_class
+  y = np.repeat(np.arange(num_classes), per_class).astype(np.int32)
+  gamma = rng.gamma(10.0, 0.1, size=num_classes)
+  x = (rng.normal(size=(n, dim)) * np.sqrt(gamma)[y, None] * rng.uniform(0.5, 2.0, dim)
+       + 2.0 * rng.normal(size=(num_classes, dim))[y])
+  return x.astype(np.float32), y, stats_lib.from_labels(x.astype(np.float32), y,
+                                                         num_classes, full=False)
+
+
+def _mixture_reference(params, x):
+  """float64 sum over the stored P nodes (the quadrature rule itself)."""
+  x = np.asarray(x, np.float64)
+  df = np.asarray(params.class_df, np.float64)[None, :, None, :]
+  loc = np.asarray(params.class_loc, np.float64)[None, :, None, :]
+  ssq = np.asarray(params.class_scale_sq, np.float64)[None]
+  lw = np.asarray(params.class_log_weights, np.float64)
+  z = (x[:, None, None, :] - loc) ** 2 / (df * ssq)
+  lt = (sps.gammaln(0.5 * (df + 1)) - sps.gammaln(0.5 * df) - 0.5 * np.log(np.pi * df * ssq)
+        - 0.5 * (df + 1) * np.log1p(z))
+  return sps.logsumexp(lt.sum(-1) + lw[None] - sps.logsumexp(lw, -1)[None, :, None], -1)
+
+
+def test_coupled_narrow_posteriors_use_few_terms_and_keep_accuracy():
+  # N_k D = 128,000 observations per class: the posterior of gamma_k is narrow.
+  x, y, st = _coupled_stats(13, 4, 64, 2000)
+  params, _ = coupled.fit(st)
+  orders = np.asarray(coupled.scoring_orders(params))
+  assert np.all((orders >= 0) & (orders <= 8)), orders      # no class pays P nodes
+  fine, _ = coupled.fit(st, options=coupled.QuadratureOptions(
+      score_nodes=201, score_half_width=12.0, prior_nodes=1025))
+  rng = np.random.default_rng(14)
+  test_x = np.concatenate([x[rng.integers(0, len(x), 60)],
+                           1.5 * rng.normal(size=(20, 64))]).astype(np.float32)
+  adaptive, prior = coupled.log_predictive(params, test_x)
+  reference = _mixture_reference(params, test_x)
+  # The expansion is within SERIES_TOL of the same 13-node rule; the rest is float32.
+  np.testing.assert_allclose(adaptive, reference, rtol=2e-6, atol=2e-3)
+  exact, exact_prior = coupled.log_predictive_exact(params, test_x)
+  np.testing.assert_allclose(adaptive, exact, rtol=2e-6, atol=2e-3)
+  np.testing.assert_allclose(prior, exact_prior, rtol=2e-6, atol=2e-3)
+  # ... and the 13-node rule agrees with a 201-node grid twice as wide on these points.
+  fine_lp, fine_prior = coupled.log_predictive_exact(fine, test_x)
+  np.testing.assert_allclose(adaptive, fine_lp, atol=2e-2)
+  np.testing.assert_allclose(prior, fine_prior, atol=2e-2)
+
+
+def test_coupled_wide_posteriors_fall_back_to_all_nodes():
+  # 24 observations per class and a vague prior on gamma (alpha0 = 1): wide posteriors.
+  x, y, st = _coupled_stats(15, 5, 4, 6)
+  params = coupled.params_from_hyper(coupled.init_hyper(st, gamma_shape=1.0), st)
+  assert np.all(np.asarray(coupled.scoring_orders(params)) == -1)
+  test_x = x[:25] * 1.2
+  np.testing.assert_allclose(coupled.log_predictive(params, test_x)[0],
+                             _mixture_reference(params, test_x), rtol=1e-5, atol=1e-3)
+
+
+def test_coupled_series_bound_is_respected_at_every_order():
+  # Force each order on a narrow class and compare with the exact node sum.
+  x, y, st = _coupled_stats(16, 2, 32, 1500)
+  params, _ = coupled.fit(st)
+  terms = coupled.mixture_terms(params.class_df, params.class_loc, params.class_scale_sq,
+                                params.class_log_weights)
+  xt = jnp.asarray(np.concatenate([x[:20], 2.0 * x[20:30]]))
+  exact = coupled._exact_block(xt, terms)
+  needed = int(np.max(np.asarray(terms.level)))
+  for level, order in enumerate(coupled.SERIES_ORDERS):
+    got = coupled._series_block(order, xt, terms)
+    err = float(jnp.max(jnp.abs(got - exact)))
+    if level >= needed:
+      assert err < 2e-3, (order, err)
+  assert float(jnp.max(jnp.abs(coupled._series_block(0, xt, terms) - exact))) > 1e-3
+
+
+# -------------------------------------------------------------------- benchmark smoke
+def test_benchmark_script_runs_a_tiny_grid(tmp_path):
+  import importlib.util
+  import os
+  path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "run.py")
+  spec = importlib.util.spec_from_file_location("bench_run", path)
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  out = tmp_path / "table.md"
+  rows = bench.main(["--grid", "40,3,6,500", "--workdir", str(tmp_path / "data"),
+                     "--chunk-rows", "128", "--score-chunk", "16", "--markdown", str(out)])
+  assert len(rows) == 1 and set(rows[0]["models"]) == {"tied", "diag", "coupled", "full"}
+  for name, r in rows[0]["models"].items():
+    assert 0.0 <= r["auroc"] <= 1.0 and r["score_s"] > 0, name
+  text = out.read_text()
+  assert "| 40 | 3 | 6 | 500 |" in text and "| 40 | 3 | 6 | full |" in text
+  assert not os.listdir(tmp_path / "data")          # the feature files are removed
