@@ -1,0 +1,404 @@
+"""Scale benchmark: statistics, EM and scoring over a grid of (M, K, D, N); prints tables.
+
+    python benchmarks/run.py --quick          # small grid, a few minutes
+    python benchmarks/run.py                  # + the ImageNet-sized row (N = 1.28M,
+                                              #   K = 1000, D = 768, M = 10,000)
+    python benchmarks/run.py --markdown out.md
+
+For every row the synthetic training features are generated chunk by chunk into a .npy
+file (--workdir, default a temporary directory; never loaded whole) and read back through
+``np.load(mmap_mode="r")``. Per row it measures
+
+* statistics: ``stats.from_arrays`` over the memory map (full per-class scatter), as
+  effective GFLOP/s = 2 N D^2 / run time, against the float32 matmul peak measured in the
+  same run (a square GEMM) and against one X^T X GEMM of a chunk (the least any
+  per-class scatter pass can cost);
+* EM for tied (closed form), diag, coupled and full: iterations, seconds per iteration,
+  total (the full model split into its one-time spectral reduction, the O(K D)
+  iterations and the per-class Cholesky factors of the predictive);
+* scoring M test points (half in-distribution, half from unseen classes) against K
+  classes in chunks: points/s, ns per (point, class, dimension), achieved GFLOP/s of the
+  full model's matrix products, the coupled model's cost relative to the diagonal one
+  and the expansion orders it chose, and the AUROC as a sanity check;
+* compile time (from jax.monitoring compile events) apart from run time, and the peak
+  resident memory (VmHWM) of the process.
+
+Speed numbers are wall-clock on whatever else the machine is running: the load average
+before and after each row is printed with it. OPENBLAS_NUM_THREADS defaults to 1 (jaxlib's
+LAPACK calls go through scipy's OpenBLAS, whose spinning threads collapse on a loaded
+machine); set it yourself to override.
+"""
+import os
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import argparse  # pylint: disable=g-import-not-at-top,wrong-import-position
+import collections
+import datetime
+import functools
+import platform
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from dpmm_jax import em  # pylint: disable=g-import-not-at-top,wrong-import-position
+from dpmm_jax import metrics
+from dpmm_jax import scores as scores_lib
+from dpmm_jax import stats as stats_lib
+from dpmm_jax.models import coupled, diag, full, tied
+
+# (M test points, K classes, D dims, N training points)
+QUICK_GRID = ((2000, 10, 64, 20_000), (2000, 100, 128, 100_000), (2000, 100, 384, 128_000))
+IMAGENET_ROW = (10_000, 1000, 768, 1_281_167)
+
+
+# ------------------------------------------------------------------- instrumentation
+class CompileClock:
+  """Sums jax's compile-event durations (tracing, lowering, backend compile)."""
+
+  EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
+            "/jax/core/compile/jaxpr_to_mlir_module_duration",
+            "/jax/core/compile/backend_compile_duration")
+
+  def __init__(self):
+    self.total = 0.0
+    jax.monitoring.register_event_duration_secs_listener(self._listen)
+
+  def _listen(self, event, duration, **kwargs):
+    del kwargs
+    if event in self.EVENTS:
+      self.total += duration
+
+
+CLOCK = CompileClock()
+
+
+def timed(fn, *args, **kwargs):
+  """(result, wall seconds, compile seconds) with the result ready."""
+  c0, t0 = CLOCK.total, time.perf_counter()
+  out = jax.block_until_ready(fn(*args, **kwargs))
+  wall = time.perf_counter() - t0
+  return out, wall, CLOCK.total - c0
+
+
+def rss_gb(field="VmHWM"):
+  with open("/proc/self/status") as f:
+    for line in f:
+      if line.startswith(field + ":"):
+        return int(line.split()[1]) / 2 ** 20
+  return float("nan")
+
+
+def load_average():
+  return "/".join(f"{v:.2f}" for v in os.getloadavg())
+
+
+def machine():
+  info = {"python": platform.python_version(), "jax": jax.__version__,
+          "backend": jax.default_backend(), "devices": str(jax.devices()),
+          "cores": os.cpu_count()}
+  try:
+    with open("/proc/cpuinfo") as f:
+      names = [l.split(":", 1)[1].strip() for l in f if l.startswith("model name")]
+    info["cpu"] = names[0] if names else platform.processor()
+    with open("/proc/meminfo") as f:
+      info["memory_gb"] = round(int(f.readline().split()[1]) / 2 ** 20, 1)
+  except OSError:
+    pass
+  info["OPENBLAS_NUM_THREADS"] = os.environ.get("OPENBLAS_NUM_THREADS")
+  return info
+
+
+def matmul_peak(n=2048, reps=5):
+  """Best float32 GFLOP/s of an (n, n) x (n, n) jitted matmul."""
+  a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
+  f = jax.jit(lambda a: a @ a)
+  jax.block_until_ready(f(a))
+  best = min(timed(f, a)[1] for _ in range(reps))
+  return 2.0 * n ** 3 / best / 1e9
+
+
+def gram_throughput(rows, dim, reps=3):
+  """Best GFLOP/s of X^T X for one (rows, D) chunk: the floor of any scatter pass."""
+  x = jax.random.normal(jax.random.PRNGKey(1), (rows, dim), jnp.float32)
+  f = jax.jit(lambda x: x.T @ x)
+  jax.block_until_ready(f(x))
+  best = min(timed(f, x)[1] for _ in range(reps))
+  return 2.0 * rows * dim ** 2 / best / 1e9
+
+
+# ------------------------------------------------------------------------- synthetic
+class Generator:
+  """Class-structured features: x = mu_k + sqrt(gamma_k) (s * j_k) * e + F^T u.
+
+  mu_k ~ N(0, 4 I / D^0.5-ish), gamma_k ~ Gamma(20, 1/20) (the coupled model's scale),
+  s a per-dimension spread, j_k a per-class per-dimension jitter, and a shared rank-8
+  factor F so that covariances are not diagonal. Unseen classes (OOD) come from the same
+  process with fresh parameters.
+  """
+
+  def __init__(self, num_classes, dim, seed=0):
+    rng = np.random.default_rng(seed)
+    self.dim = dim
+    self.spread = rng.uniform(0.5, 2.0, dim).astype(np.float32)
+    self.factor = (rng.normal(size=(8, dim)) * 0.5).astype(np.float32)
+    self.params = self._classes(rng, num_classes)
+
+  def _classes(self, rng, num_classes):
+    means = (rng.normal(size=(num_classes, self.dim)) * 1.5).astype(np.float32)
+    gamma = rng.gamma(20.0, 1.0 / 20.0, num_classes).astype(np.float32)
+    jitter = rng.gamma(30.0, 1.0 / 30.0, (num_classes, self.dim)).astype(np.float32)
+    return means, np.sqrt(gamma)[:, None] * self.spread * jitter
+
+  def sample(self, rng, labels, params=None):
+    means, scale = self.params if params is None else params
+    e = rng.standard_normal((labels.shape[0], self.dim), dtype=np.float32)
+    u = rng.standard_normal((labels.shape[0], 8), dtype=np.float32)
+    return means[labels] + scale[labels] * e + u @ self.factor
+
+  def write(self, path_x, path_y, n, chunk=65536, seed=1):
+    """Writes (n, D) float32 features and (n,) labels in random class order, chunkwise."""
+    rng = np.random.default_rng(seed)
+    num_classes = self.params[0].shape[0]
+    header = {"descr": "<f4", "fortran_order": False, "shape": (n, self.dim)}
+    ys = []
+    with open(path_x, "wb") as f:
+      np.lib.format.write_array_header_2_0(f, header)
+      for start in range(0, n, chunk):
+        y = rng.integers(0, num_classes, min(chunk, n - start)).astype(np.int32)
+        self.sample(rng, y).tofile(f)
+        ys.append(y)
+    np.save(path_y, np.concatenate(ys))
+
+  def test_set(self, m, seed=2):
+    rng = np.random.default_rng(seed)
+    num_classes = self.params[0].shape[0]
+    x_in = self.sample(rng, rng.integers(0, num_classes, m // 2))
+    unseen = self._classes(rng, max(2, num_classes // 10))
+    x_out = self.sample(rng, rng.integers(0, unseen[0].shape[0], m - m // 2), unseen)
+    return np.concatenate([x_in, x_out]), m // 2
+
+
+# -------------------------------------------------------------------------- one row
+@functools.lru_cache(maxsize=None)
+def _chunk_scorer(log_predictive):
+  @jax.jit
+  def chunk_score(p, xc):
+    class_lp, prior_lp = log_predictive(p, xc)
+    return scores_lib.dpmm_score(p.log_counts, class_lp, prior_lp)
+  return chunk_score
+
+
+def _score_all(log_predictive, params, x, chunk):
+  """DPMM scores of all rows, chunk by chunk (one compiled shape; last chunk padded)."""
+  chunk_score = _chunk_scorer(log_predictive)
+  out = []
+  for start in range(0, x.shape[0], chunk):
+    xc = x[start:start + chunk]
+    n = xc.shape[0]
+    if n < chunk:
+      xc = np.concatenate([xc, np.repeat(xc[-1:], chunk - n, 0)])
+    out.append(np.asarray(chunk_score(params, jnp.asarray(xc)))[:n])
+  return np.concatenate(out)
+
+
+def run_row(m, k, d, n, workdir, chunk_rows, block_size, score_chunk, peak, log):
+  row = collections.OrderedDict(M=m, K=k, D=d, N=n, load_before=load_average())
+  gen = Generator(k, d)
+  px, py = os.path.join(workdir, f"x_{n}_{d}.npy"), os.path.join(workdir, f"y_{n}_{d}.npy")
+  t0 = time.perf_counter()
+  gen.write(px, py, n)
+  row["generate_s"] = time.perf_counter() - t0
+  log(f"  generated {n} x {d} features ({os.path.getsize(px) / 2**30:.2f} GiB) "
+      f"in {row['generate_s']:.1f} s")
+  x_test, num_in = gen.test_set(m)
+
+  # Statistics from the memory map.
+  xm, ym = np.load(px, mmap_mode="r"), np.load(py, mmap_mode="r")
+  chunk = min(chunk_rows, n)
+  row["gram_gflops"] = gram_throughput(chunk, d)
+  st, wall, comp = timed(stats_lib.from_arrays, xm, ym, k, full=True, chunk_size=chunk,
+                         block_size=block_size)
+  del xm, ym
+  run = wall - comp
+  row.update(stats_s=run, stats_compile_s=comp,
+             stats_gflops=2.0 * n * d * d / run / 1e9)
+  row["stats_pct_peak"] = 100.0 * row["stats_gflops"] / peak
+  row["stats_pct_gram"] = 100.0 * row["stats_gflops"] / row["gram_gflops"]
+  row["rss_after_stats_gb"] = rss_gb("VmRSS")
+  log(f"  stats: {run:.1f} s run + {comp:.1f} s compile, {row['stats_gflops']:.1f} GFLOP/s "
+      f"= {row['stats_pct_peak']:.0f}% of matmul peak, {row['stats_pct_gram']:.0f}% of X^T X; "
+      f"RSS {row['rss_after_stats_gb']:.2f} GB")
+
+  models = collections.OrderedDict()
+  # tied: closed form.
+  p, wall, comp = timed(jax.jit(tied.fit), st)
+  models["tied"] = dict(params=p, fit_s=wall - comp, fit_compile_s=comp, iters=0,
+                        module=tied)
+  # diag and coupled: EM in one jit (fit).
+  for name, module in (("diag", diag), ("coupled", coupled)):
+    (p, info), wall, comp = timed(module.fit, st)
+    iters = int(info.num_iters)
+    models[name] = dict(params=p, fit_s=wall - comp, fit_compile_s=comp, iters=iters,
+                        converged=bool(info.converged), module=module,
+                        per_iter_s=(wall - comp) / max(iters, 1))
+  # full: one-time spectral reduction, O(K D) iterations, predictive factors.
+  h0 = full.init_hyper(st)
+  summary, w1, c1 = timed(jax.jit(full.spectral_summary), st, h0.loc, h0.mean_cov)
+  log_det = full.linalg.chol_log_det(jnp.linalg.cholesky(h0.mean_cov))
+
+  @jax.jit
+  def full_em(summary, h0, log_det):
+    dim, num_classes = d, k
+
+    def step(hyper, s):
+      maha, stat, _, _ = full._spectral_terms(hyper, s, dim)
+      return full._m_step(hyper, maha, jnp.sum(stat), num_classes, dim, 1e6, 1e-6, 100)
+
+    def lml(hyper, s):
+      return jnp.sum(full._spectral_log_marginal(hyper, s, dim, log_det))
+
+    return em.run(step, lml, h0, summary, tol=1e-6, max_iter=100)
+
+  (hyper, info), w2, c2 = timed(full_em, summary, h0, log_det)
+  del summary
+  p, w3, c3 = timed(jax.jit(full.params_from_hyper), hyper, st)
+  iters = int(info.num_iters)
+  models["full"] = dict(params=p, fit_s=(w1 - c1) + (w2 - c2) + (w3 - c3),
+                        fit_compile_s=c1 + c2 + c3, iters=iters,
+                        converged=bool(info.converged), module=full,
+                        per_iter_s=(w2 - c2) / max(iters, 1), reduce_s=w1 - c1,
+                        predictive_s=w3 - c3)
+  del st
+  row["rss_after_fit_gb"] = rss_gb("VmRSS")
+  for name, r in models.items():
+    log(f"  fit {name}: {r['fit_s']:.2f} s run + {r['fit_compile_s']:.1f} s compile, "
+        f"{r['iters']} iterations" + (f", {r['per_iter_s'] * 1e3:.2f} ms/iteration"
+                                      if "per_iter_s" in r else ""))
+  log(f"    full: spectral reduction {models['full']['reduce_s']:.1f} s, predictive "
+      f"Cholesky factors {models['full']['predictive_s']:.1f} s")
+
+  # Scoring.
+  score_rows = min(score_chunk, m)
+  for name, r in models.items():
+    module = r["module"]
+    # Compile apart: one chunk of the right shape.
+    lp_fn = module.log_predictive
+    _, _, comp = timed(_score_all, lp_fn, r["params"], x_test[:score_rows], score_rows)
+    scores, wall, comp2 = timed(_score_all, lp_fn, r["params"], x_test, score_rows)
+    run = wall - comp2
+    r.update(score_s=run, score_compile_s=comp + comp2, points_per_s=m / run,
+             ns_per_element=run / (m * k * d) * 1e9,
+             auroc=metrics.auroc(scores[:num_in], scores[num_in:]))
+    if name == "full":
+      num_chunks = -(-m // score_rows)       # padded chunks, inverses per chunk
+      r["score_gflops"] = num_chunks * full.scoring_flops(score_rows, k, d) / run / 1e9
+      r["score_pct_peak"] = 100.0 * r["score_gflops"] / peak
+    if name == "coupled":
+      orders = np.asarray(coupled.scoring_orders(r["params"]))
+      values, counts = np.unique(orders, return_counts=True)
+      r["orders"] = ", ".join(f"{'all P' if v < 0 else 'J=' + str(v)}: {c}"
+                              for v, c in zip(values, counts))
+    log(f"  score {name}: {run:.2f} s run + {r['score_compile_s']:.1f} s compile, "
+        f"{r['points_per_s']:.0f} points/s, {r['ns_per_element']:.3f} ns/(m,k,d)"
+        + (f", {r['score_gflops']:.1f} GFLOP/s = {r['score_pct_peak']:.0f}% of peak"
+           if name == "full" else "") + f", AUROC {r['auroc']:.3f}")
+  if "coupled" in models and "diag" in models:
+    row["coupled_over_diag"] = models["coupled"]["score_s"] / models["diag"]["score_s"]
+  row["peak_rss_gb"] = rss_gb("VmHWM")
+  row["load_after"] = load_average()
+  for r in models.values():
+    del r["params"], r["module"]
+  row["models"] = models
+  os.remove(px)
+  os.remove(py)
+  return row
+
+
+# -------------------------------------------------------------------------- reporting
+def markdown(rows, info, peak):
+  lines = [f"Date: {datetime.datetime.now().isoformat(timespec='seconds')}", "",
+           "Machine: " + ", ".join(f"{k}={v}" for k, v in info.items()),
+           f"Measured float32 matmul peak (2048^3 jitted GEMM, best of 5): {peak:.1f} GFLOP/s",
+           "", "### Statistics (full per-class scatter, streamed from a memory-mapped .npy)", "",
+           "| M | K | D | N | stats s | compile s | GFLOP/s | % matmul peak | % X^T X | "
+           "peak RSS GB | load before / after |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    lines.append(f"| {r['M']} | {r['K']} | {r['D']} | {r['N']} | {r['stats_s']:.1f} | "
+                 f"{r['stats_compile_s']:.1f} | {r['stats_gflops']:.1f} | "
+                 f"{r['stats_pct_peak']:.0f} | {r['stats_pct_gram']:.0f} | "
+                 f"{r['peak_rss_gb']:.2f} | {r['load_before']} / {r['load_after']} |")
+  lines += ["", "### EM and scoring per model", "",
+            "| M | K | D | model | EM iters | s / iter | fit s | fit compile s | "
+            "score s | score compile s | points/s | ns/(m,k,d) | notes | AUROC |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    for name, mr in r["models"].items():
+      notes = ""
+      if name == "full":
+        notes = (f"reduce {mr['reduce_s']:.1f} s, predictive {mr['predictive_s']:.1f} s; "
+                 f"scoring {mr['score_gflops']:.1f} GFLOP/s = {mr['score_pct_peak']:.0f}% peak")
+      elif name == "coupled":
+        notes = f"{r['coupled_over_diag']:.1f}x diag; orders {mr['orders']}"
+      per_iter = f"{mr['per_iter_s'] * 1e3:.2f} ms" if "per_iter_s" in mr else "-"
+      lines.append(f"| {r['M']} | {r['K']} | {r['D']} | {name} | {mr['iters']} | "
+                   f"{per_iter} | {mr['fit_s']:.2f} | {mr['fit_compile_s']:.1f} | "
+                   f"{mr['score_s']:.2f} | {mr['score_compile_s']:.1f} | "
+                   f"{mr['points_per_s']:.0f} | {mr['ns_per_element']:.3f} | {notes} | "
+                   f"{mr['auroc']:.3f} |")
+  return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--quick", action="store_true", help="small grid only")
+  parser.add_argument("--imagenet-only", action="store_true", help="only the big row")
+  parser.add_argument("--workdir", default=None, help="where the .npy files go")
+  parser.add_argument("--chunk-rows", type=int, default=131072,
+                      help="training rows per statistics chunk")
+  parser.add_argument("--block-size", type=int, default=128,
+                      help="rows per per-class scatter window")
+  parser.add_argument("--score-chunk", type=int, default=2500, help="test rows per chunk")
+  parser.add_argument("--markdown", default=None, help="also write the tables here")
+  parser.add_argument("--grid", default=None,
+                      help="rows 'M,K,D,N;M,K,D,N' instead of the built-in grid")
+  args = parser.parse_args(argv)
+
+  def log(msg):
+    print(msg, flush=True)
+
+  info = machine()
+  log("machine: " + ", ".join(f"{k}={v}" for k, v in info.items()))
+  peak = matmul_peak()
+  log(f"float32 matmul peak: {peak:.1f} GFLOP/s (load {load_average()})")
+  if args.grid:
+    grid = [tuple(int(v) for v in row.split(",")) for row in args.grid.split(";")]
+  else:
+    grid = [] if args.imagenet_only else list(QUICK_GRID)
+    if not args.quick:
+      grid.append(IMAGENET_ROW)
+  workdir = args.workdir or tempfile.mkdtemp(prefix="dpmm_bench_")
+  os.makedirs(workdir, exist_ok=True)
+  rows = []
+  for m, k, d, n in grid:
+    log(f"row M={m} K={k} D={d} N={n} (load {load_average()})")
+    rows.append(run_row(m, k, d, n, workdir, args.chunk_rows, args.block_size,
+                        args.score_chunk, peak, log))
+    log(f"  peak RSS so far {rows[-1]['peak_rss_gb']:.2f} GB (load {load_average()})")
+  text = markdown(rows, info, peak)
+  print(text)
+  if args.markdown:
+    with open(args.markdown, "w") as f:
+      f.write(text)
+  return rows
+
+
+if __name__ == "__main__":
+  main()
