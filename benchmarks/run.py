@@ -361,9 +361,9 @@ def main(argv=None):
   parser.add_argument("--quick", action="store_true", help="small grid only")
   parser.add_argument("--imagenet-only", action="store_true", help="only the big row")
   parser.add_argument("--workdir", default=None, help="where the .npy files go")
-  parser.add_argument("--chunk-rows", type=int, default=131072,
+  parser.add_argument("--chunk-rows", type=int, default=262144,
                       help="training rows per statistics chunk")
-  parser.add_argument("--block-size", type=int, default=128,
+  parser.add_argument("--block-size", type=int, default=256,
                       help="rows per per-class scatter window")
   parser.add_argument("--score-chunk", type=int, default=2500, help="test rows per chunk")
   parser.add_argument("--markdown", default=None, help="also write the tables here")

@@ -9,17 +9,18 @@ are far from the origin.
 
 Streaming (``update``) adds a chunk to running statistics with the batched form of
 Welford's update, which is Chan's merge written per row: with ``m`` the class mean before
-and ``m'`` after the chunk,
+and ``m'`` after the chunk (both from segment sums),
 
     S' = S + sum_{n in chunk, y_n = k} (x_n - m)(x_n - m')^T,
 
 and the same elementwise for the squared deviations. Both factors are centred on the
 class, so nothing cancels in float32. The per-class products are matrix products: the
-chunk is sorted by label and each class's rows are cut into windows of at most
-``block_size`` rows (the last window of a class is rounded up to a power of two, at least
-8, and its surplus rows are masked), and one (D, W) x (W, D) product per window is added in
-place into that class's (D, D) block. The work is 2 N D^2 flops in GEMMs, and no
-(B, D, D) temporary is formed. Counts and means need only segment sums.
+row indices of the chunk are sorted by label, each class's rows are cut into windows of at
+most ``block_size`` rows (the last window of a class is rounded up to a power of two, at
+least 8, and its surplus rows are masked), each window's rows are gathered and one
+(D, W) x (W, D) product per window is added in place into that class's (D, D) block (its
+diagonal into the squared deviations). The work is 2 N D^2 flops in GEMMs; no (B, D, D)
+temporary and no sorted copy of the chunk is formed.
 """
 import functools
 import mmap
@@ -109,40 +110,50 @@ def _class_windows(counts, block_size: int, max_items: int):
   return k, offsets[k] + j * block_size, length, branch, ends[-1]
 
 
-def _add_class_products(scatter, pooled, a, c, counts, block_size: int):
-  """scatter[k] += a_k^T c_k and pooled += sum_k a_k^T c_k over class-sorted rows.
+def _add_class_products(stats: SufficientStats, x, order, counts, ref_old, mean,
+                        block_size: int):
+  """scatter[k] += a_k^T c_k, sq_dev[k] += diag(a_k^T c_k), pooled += sum_k a_k^T c_k,
+  with a = x - ref_old[k] and c = x - mean[k] over the rows of class k.
 
   Args:
-    scatter: (K, D, D) accumulator (updated in place inside the loop).
-    pooled: (D, D) accumulator.
-    a, c: (B, D) rows sorted by class (``counts`` rows of class 0 first, ...).
-    counts: (K,) int rows per class among the first sum(counts) rows.
+    stats: running statistics with ``scatter`` (updated in place inside the loop).
+    x: (B, D) chunk rows in their original order.
+    order: (B,) row indices sorted by class (``counts[0]`` rows of class 0 first, ...).
+    counts: (K,) int rows per class among the first sum(counts) entries of ``order``.
+    ref_old, mean: (K, D) the two centres of the Welford update.
     block_size: maximal window (static).
+  Returns:
+    (scatter, sq_dev, pooled).
   """
-  n = a.shape[0]
+  n = x.shape[0]
   block_size = max(1, min(block_size, n))
   sizes = _window_sizes(block_size)
   k, start, length, branch, num_items = _class_windows(
       counts, block_size, n // block_size + counts.shape[0])
 
-  def window(size, s, ln):
-    # dynamic_slice clamps the start to n - size; mask rows outside [s, s + ln).
+  def window(size, s, ln, kk):
+    # dynamic_slice clamps the start to n - size; mask rows outside [s, s + ln). The rows
+    # are gathered per window, so the chunk is never copied in sorted order.
     s0 = jnp.clip(s, 0, n - size)
-    rows = s0 + jnp.arange(size, dtype=s.dtype)
-    keep = ((rows >= s) & (rows < s + ln))[:, None]
-    aw = jnp.where(keep, jax.lax.dynamic_slice_in_dim(a, s0, size), 0.0)
-    cw = jax.lax.dynamic_slice_in_dim(c, s0, size)
-    return aw.T @ cw
+    pos = s0 + jnp.arange(size, dtype=s.dtype)
+    keep = ((pos >= s) & (pos < s + ln))[:, None]
+    rows = x[jax.lax.dynamic_slice_in_dim(order, s0, size)]
+    aw = jnp.where(keep, rows - ref_old[kk], 0.0)
+    return aw.T @ (rows - mean[kk])
 
   branches = [functools.partial(window, size) for size in sizes]
 
   def body(i, carry):
-    acc, pool = carry
-    u = jax.lax.switch(branch[i], branches, start[i], length[i])
+    acc, sq, pool = carry
+    u = jax.lax.switch(branch[i], branches, start[i], length[i], k[i])
     cur = jax.lax.dynamic_index_in_dim(acc, k[i], keepdims=False)
-    return jax.lax.dynamic_update_index_in_dim(acc, cur + u, k[i], 0), pool + u
+    acc = jax.lax.dynamic_update_index_in_dim(acc, cur + u, k[i], 0)
+    cur_sq = jax.lax.dynamic_index_in_dim(sq, k[i], keepdims=False)
+    sq = jax.lax.dynamic_update_index_in_dim(sq, cur_sq + jnp.diagonal(u), k[i], 0)
+    return acc, sq, pool + u
 
-  return jax.lax.fori_loop(0, num_items, body, (scatter, pooled))
+  return jax.lax.fori_loop(0, num_items, body,
+                           (stats.scatter, stats.sq_dev, stats.pooled_scatter))
 
 
 def _update(stats: SufficientStats, x, y, block_size: int, axis_name=None):
@@ -155,34 +166,28 @@ def _update(stats: SufficientStats, x, y, block_size: int, axis_name=None):
   y = jnp.asarray(y, jnp.int32)
   valid = (y >= 0) & (y < num_classes)
   key = jnp.where(valid, y, num_classes)                     # invalid rows sort last
-  safe_key = jnp.minimum(key, num_classes - 1)
   local_counts = jnp.bincount(key, length=num_classes + 1)[:num_classes]
-  mean_old = stats.mean
-  # Sums of x - m (m = old mean, zero for a new class): the mean update is centred.
-  shifted = _segment_sum(x - mean_old[safe_key], key, num_classes)
   chunk_counts = local_counts.astype(dtype)
+  mean_old = stats.mean
+  sums = _segment_sum(x, key, num_classes)                    # drops key == K
   if axis_name is not None:
     chunk_counts = jax.lax.psum(chunk_counts, axis_name)
-    shifted = jax.lax.psum(shifted, axis_name)
+    sums = jax.lax.psum(sums, axis_name)
   count = stats.count + chunk_counts
-  mean = mean_old + shifted / jnp.maximum(count, 1.0)[:, None]
+  # m' = m + (sum_chunk (x - m)) / N'  (m = 0 for a class not seen before).
+  mean = mean_old + (sums - chunk_counts[:, None] * mean_old) / jnp.maximum(count, 1.0)[:, None]
   # A class seen for the first time is centred on its new mean in both factors.
   ref_old = jnp.where((stats.count > 0)[:, None], mean_old, mean)
-
-  order = jnp.argsort(key, stable=True)
-  key_sorted = key[order]
-  safe_sorted = jnp.minimum(key_sorted, num_classes - 1)
-  valid_sorted = (key_sorted < num_classes)[:, None]
-  x_sorted = x[order]
-  a = jnp.where(valid_sorted, x_sorted - ref_old[safe_sorted], 0.0)
-  c = jnp.where(valid_sorted, x_sorted - mean[safe_sorted], 0.0)
-  sq_dev = stats.sq_dev + jax.ops.segment_sum(a * c, key_sorted, num_classes,
-                                              indices_are_sorted=True)
-  if stats.scatter is None:
-    return SufficientStats(count, mean, sq_dev, None, stats.pooled_scatter + a.T @ c)
-  scatter, pooled = _add_class_products(stats.scatter, stats.pooled_scatter, a, c,
-                                        local_counts, block_size)
-  return SufficientStats(count, mean, sq_dev, scatter, pooled)
+  if stats.scatter is not None:
+    order = jnp.argsort(key, stable=True)
+    scatter, sq_dev, pooled = _add_class_products(stats, x, order, local_counts, ref_old,
+                                                  mean, block_size)
+    return SufficientStats(count, mean, sq_dev, scatter, pooled)
+  safe_key = jnp.minimum(key, num_classes - 1)
+  a = jnp.where(valid[:, None], x - ref_old[safe_key], 0.0)
+  c = x - mean[safe_key]
+  sq_dev = stats.sq_dev + _segment_sum(a * c, key, num_classes)
+  return SufficientStats(count, mean, sq_dev, None, stats.pooled_scatter + a.T @ c)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size",))
