@@ -42,7 +42,13 @@ def fit(stats: stats_lib.SufficientStats, num_components: Optional[int] = None,
   rtol = linalg.default_rtol(cov.dtype) if rtol is None else rtol
   values, vectors = jnp.linalg.eigh(linalg.symmetrize(cov))
   values, vectors = values[::-1], vectors[:, ::-1]                # descending
-  keep = int(jnp.sum(values > rtol * jnp.maximum(values[0], jnp.finfo(cov.dtype).tiny)))
+  # A direction is noise if its variance is below rtol * the largest, or below the
+  # rounding noise of the feature values themselves (a constant feature c computes a
+  # variance of order (eps c)^2, not 0, in floating point).
+  eps = jnp.finfo(cov.dtype).eps
+  rounding = (8.0 * eps * jnp.max(jnp.abs(stats_lib.global_mean(stats)))) ** 2
+  floor = jnp.maximum(rtol * values[0], jnp.maximum(rounding, jnp.finfo(cov.dtype).tiny))
+  keep = int(jnp.sum(values > floor))
   if num_components is not None:
     keep = min(keep, int(num_components))
   if keep < 1:
