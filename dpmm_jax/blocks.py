@@ -50,18 +50,7 @@ def map_class_blocks(fn, per_class, block_size: int):
   Returns:
     (M, K) array.
   """
-  num_classes = _num_classes(per_class)
-  block_size = int(max(1, min(block_size, num_classes)))
-  if block_size == num_classes:
-    return fn(per_class)
-  shapes = jax.tree_util.tree_map(
-      lambda leaf: jax.ShapeDtypeStruct((block_size,) + leaf.shape[1:], leaf.dtype),
-      per_class)
-  out = jax.eval_shape(fn, shapes)
-  init = jnp.zeros((out.shape[0], num_classes), out.dtype)
-  return _block_loop(
-      fn, per_class, block_size, init,
-      lambda acc, res, start: jax.lax.dynamic_update_slice_in_dim(acc, res, start, 1))
+  return map_blocks(lambda block: fn(block).T, per_class, block_size).T
 
 
 def map_blocks(fn, per_class, block_size: int):

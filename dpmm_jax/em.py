@@ -117,3 +117,23 @@ def merge_newton_info(*infos: NewtonInfo) -> NewtonInfo:
       jnp.max(jnp.stack([jnp.max(i.num_iters) for i in infos])),
       jnp.all(jnp.stack([jnp.all(i.converged) for i in infos])),
       jnp.any(jnp.stack([jnp.any(i.at_upper) for i in infos])))
+
+
+def jit_fit(fit_hyper: Callable, params_from_hyper: Callable,
+            static_argnames=("max_iter",)):
+  """Jits a model's whole fit: EM for the hyperparameters, then its predictive parameters.
+
+  Args:
+    fit_hyper: ``(stats, **options) -> (hyper, EMInfo)``.
+    params_from_hyper: ``(hyper, stats[, options]) -> Params``; it also receives
+      ``options`` when the fit is called with that keyword (quadrature settings).
+    static_argnames: keywords that are compile-time constants.
+  Returns:
+    ``fit(stats, **options) -> (Params, EMInfo)``, compiled once per shape and statics.
+  """
+  def fit(stats, **options):
+    hyper, info = fit_hyper(stats, **options)
+    extra = (options["options"],) if "options" in options else ()
+    return params_from_hyper(hyper, stats, *extra), info
+
+  return jax.jit(fit, static_argnames=static_argnames)

@@ -211,12 +211,7 @@ def params_from_hyper(hyper: Hyper, stats, options=QuadratureOptions()) -> Param
                 jnp.exp(prior_grid.nodes), jnp.log(stats.count))
 
 
-@functools.partial(jax.jit, static_argnames=("max_iter", "options"))
-def _fit(stats, df, mean_concentration, gamma_shape, tol, max_iter, df_cap, options):
-  hyper, info = fit_hyper(stats, df=df, mean_concentration=mean_concentration,
-                          gamma_shape=gamma_shape, tol=tol, max_iter=max_iter,
-                          df_cap=df_cap, options=options)
-  return params_from_hyper(hyper, stats, options), info
+_fit = em.jit_fit(fit_hyper, params_from_hyper, static_argnames=("max_iter", "options"))
 
 
 def fit(stats, *, df=None, mean_concentration=None, gamma_shape=None, tol=1e-6,
@@ -226,7 +221,8 @@ def fit(stats, *, df=None, mean_concentration=None, gamma_shape=None, tol=1e-6,
   checks.positive_or_none(df, "df")
   checks.positive_or_none(mean_concentration, "mean_concentration")
   checks.positive_or_none(gamma_shape, "gamma_shape")
-  return _fit(stats, df, mean_concentration, gamma_shape, tol, max_iter, df_cap, options)
+  return _fit(stats, df=df, mean_concentration=mean_concentration, gamma_shape=gamma_shape,
+              tol=tol, max_iter=max_iter, df_cap=df_cap, options=options)
 
 
 def scale_mixture_log_density(x, df, loc, scale_sq, log_weights):

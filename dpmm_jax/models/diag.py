@@ -125,11 +125,7 @@ def params_from_hyper(hyper: Hyper, stats) -> Params:
   return Params(hyper, df, loc, scale_sq, jnp.log(stats.count))
 
 
-@functools.partial(jax.jit, static_argnames=("max_iter",))
-def _fit(stats, df, mean_concentration, tol, max_iter, df_cap):
-  hyper, info = fit_hyper(stats, df=df, mean_concentration=mean_concentration, tol=tol,
-                          max_iter=max_iter, df_cap=df_cap)
-  return params_from_hyper(hyper, stats), info
+_fit = em.jit_fit(fit_hyper, params_from_hyper)
 
 
 def fit(stats, *, df=None, mean_concentration=None, tol=1e-6, max_iter=100, df_cap=1e6):
@@ -137,7 +133,8 @@ def fit(stats, *, df=None, mean_concentration=None, tol=1e-6, max_iter=100, df_c
   checks.em_options(tol, max_iter)
   checks.positive_or_none(df, "df")
   checks.positive_or_none(mean_concentration, "mean_concentration")
-  return _fit(stats, df, mean_concentration, tol, max_iter, df_cap)
+  return _fit(stats, df=df, mean_concentration=mean_concentration, tol=tol,
+              max_iter=max_iter, df_cap=df_cap)
 
 
 def product_t_block(x, per_class):

@@ -314,11 +314,7 @@ def params_from_hyper(hyper: Hyper, stats) -> Params:
   return Params(hyper, class_pred, niw.predictive(prior), jnp.log(stats.count))
 
 
-@functools.partial(jax.jit, static_argnames=("max_iter",))
-def _fit(stats, df, mean_concentration, tol, max_iter, df_cap):
-  hyper, info = fit_hyper(stats, df=df, mean_concentration=mean_concentration, tol=tol,
-                          max_iter=max_iter, df_cap=df_cap)
-  return params_from_hyper(hyper, stats), info
+_fit = em.jit_fit(fit_hyper, params_from_hyper)
 
 
 def fit(stats, *, df=None, mean_concentration=None, tol=1e-6, max_iter=100, df_cap=1e6):
@@ -335,7 +331,8 @@ def fit(stats, *, df=None, mean_concentration=None, tol=1e-6, max_iter=100, df_c
     raise ValueError(f"Initial df (nu0) must exceed D + 1 = {stats.dim + 1} for the NIW "
                      f"prior with E[Sigma] = Sigma0; got {df}.")
   checks.positive_or_none(mean_concentration, "mean_concentration")
-  return _fit(stats, df, mean_concentration, tol, max_iter, df_cap)
+  return _fit(stats, df=df, mean_concentration=mean_concentration, tol=tol,
+              max_iter=max_iter, df_cap=df_cap)
 
 
 # ---------------------------------------------------------------------------- scoring
