@@ -111,6 +111,37 @@ def run(step: Callable, log_marginal_likelihood: Callable, init_hyper, stats, *,
   return hyper, EMInfo(trace, it, converged, newton)
 
 
+def propose_caps(step: Callable, hyper, stats, caps):
+  """Boundary proposal shared by the models (``boundary`` of :func:`run`).
+
+  Moves each named concentration onto its cap where the log marginal likelihood still
+  increases there: by Fisher's identity the slope at the cap is the M-step's, so a
+  concentration updated by Newton stays at the cap exactly when its slope is positive
+  (``strict=False``: new >= cap) and a closed-form one exceeds the cap
+  (``strict=True``: new > cap). The candidate EM steps run as one vmapped step, so
+  the compiled program holds one copy of it, not one per concentration.
+
+  Args:
+    step: (hyper, stats) -> (hyper, newton_info).
+    hyper: current hyperparameters (a NamedTuple).
+    stats: whatever ``step`` takes.
+    caps: {field name: (cap value, strict)}.
+  Returns:
+    hyper with the fields that should move set to their caps.
+  """
+  fields = list(caps)
+  candidates = [hyper._replace(**{f: jnp.full_like(getattr(hyper, f), caps[f][0])})
+                for f in fields]
+  stacked = jax.tree_util.tree_map(lambda *leaves: jnp.stack(leaves), *candidates)
+  stepped = jax.vmap(lambda h: step(h, stats)[0])(stacked)
+  updates = {}
+  for i, field in enumerate(fields):
+    cap_value, new = getattr(candidates[i], field), getattr(stepped, field)[i]
+    up = new > cap_value if caps[field][1] else new >= cap_value
+    updates[field] = jnp.where(up, cap_value, getattr(hyper, field))
+  return hyper._replace(**updates)
+
+
 def merge_newton_info(*infos: NewtonInfo) -> NewtonInfo:
   """Combines the Newton reports of several concentration updates into one record."""
   return NewtonInfo(

@@ -174,20 +174,10 @@ def tied_limit(hyper: Hyper, stats, *, df_cap=1e6, shape_cap=1e6,
                kappa_cap=diag.KAPPA_CAP, options=QuadratureOptions()) -> Hyper:
   """Boundary proposal for ``em.run`` (see ``diag.tied_limit``): nu0_d, kappa0_d and
   alpha0 (all gamma_k = 1) move onto their caps where the slope there is positive."""
-  step = functools.partial(em_step, stats=stats, df_cap=df_cap, shape_cap=shape_cap,
-                           options=options)
-  at_df_cap = hyper._replace(df=jnp.full_like(hyper.df, df_cap))
-  df_up = step(at_df_cap)[0].df >= at_df_cap.df
-  at_kappa_cap = hyper._replace(
-      mean_concentration=jnp.full_like(hyper.mean_concentration, kappa_cap))
-  kappa_up = step(at_kappa_cap)[0].mean_concentration > at_kappa_cap.mean_concentration
-  at_shape_cap = hyper._replace(gamma_shape=jnp.asarray(shape_cap, hyper.gamma_shape.dtype))
-  shape_up = step(at_shape_cap)[0].gamma_shape >= at_shape_cap.gamma_shape
-  return hyper._replace(
-      df=jnp.where(df_up, at_df_cap.df, hyper.df),
-      mean_concentration=jnp.where(kappa_up, at_kappa_cap.mean_concentration,
-                                   hyper.mean_concentration),
-      gamma_shape=jnp.where(shape_up, at_shape_cap.gamma_shape, hyper.gamma_shape))
+  step = functools.partial(em_step, df_cap=df_cap, shape_cap=shape_cap, options=options)
+  return em.propose_caps(step, hyper, stats, {"df": (df_cap, False),
+                                              "mean_concentration": (kappa_cap, True),
+                                              "gamma_shape": (shape_cap, False)})
 
 
 def fit_hyper(stats, *, df=None, mean_concentration=None, gamma_shape=None, tol=1e-6,

@@ -100,16 +100,8 @@ def tied_limit(hyper: Hyper, stats, *, df_cap=1e6, kappa_cap=KAPPA_CAP) -> Hyper
   slope at a capped value is the M-step's: the Newton step for nu0 started at the cap
   stays there exactly when the slope is positive, and the closed-form kappa0 exceeds the
   cap exactly when its slope is positive."""
-  at_df_cap = hyper._replace(df=jnp.full_like(hyper.df, df_cap))
-  df_up = em_step(at_df_cap, stats, df_cap=df_cap)[0].df >= at_df_cap.df
-  at_kappa_cap = hyper._replace(
-      mean_concentration=jnp.full_like(hyper.mean_concentration, kappa_cap))
-  kappa_up = (em_step(at_kappa_cap, stats, df_cap=df_cap)[0].mean_concentration
-              > at_kappa_cap.mean_concentration)
-  return hyper._replace(
-      df=jnp.where(df_up, at_df_cap.df, hyper.df),
-      mean_concentration=jnp.where(kappa_up, at_kappa_cap.mean_concentration,
-                                   hyper.mean_concentration))
+  return em.propose_caps(functools.partial(em_step, df_cap=df_cap), hyper, stats,
+                         {"df": (df_cap, False), "mean_concentration": (kappa_cap, True)})
 
 
 def fit_hyper(stats, *, df=None, mean_concentration=None, tol=1e-6, max_iter=100,

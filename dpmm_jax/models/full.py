@@ -287,16 +287,8 @@ def fit_hyper(stats, *, df=None, mean_concentration=None, tol=1e-6, max_iter=100
     # Boundary proposal for em.run (see diag.tied_limit): nu0 (kappa0) moves onto
     # D + 1 + df_cap (KAPPA_CAP) when the slope there is positive, i.e. when the M-step
     # started at the cap stays there (Newton) or goes beyond it (closed-form kappa0).
-    at_df_cap = hyper._replace(df=jnp.asarray(dim + 1.0 + df_cap, hyper.df.dtype))
-    df_up = step(at_df_cap, summary_)[0].df >= at_df_cap.df
-    at_kappa_cap = hyper._replace(
-        mean_concentration=jnp.asarray(KAPPA_CAP, hyper.mean_concentration.dtype))
-    kappa_up = (step(at_kappa_cap, summary_)[0].mean_concentration
-                > at_kappa_cap.mean_concentration)
-    return hyper._replace(
-        df=jnp.where(df_up, at_df_cap.df, hyper.df),
-        mean_concentration=jnp.where(kappa_up, at_kappa_cap.mean_concentration,
-                                     hyper.mean_concentration))
+    return em.propose_caps(step, hyper, summary_, {"df": (dim + 1.0 + df_cap, False),
+                                                   "mean_concentration": (KAPPA_CAP, True)})
 
   return em.run(step, lml, init, summary, tol=tol, max_iter=max_iter, boundary=tied_limit)
 
