@@ -8,7 +8,12 @@ setup(
                  "mixture models (a Bayesian nonparametric view of the Mahalanobis score)."),
     packages=find_packages(include=["dpmm_jax", "dpmm_jax.*", "experiments", "experiments.*"]),
     python_requires=">=3.10",
-    install_requires=["jax", "jaxlib", "optax", "numpy", "chex", "matplotlib", "absl-py"],
+    # jax/jaxlib 0.10.x run batched CPU LAPACK kernels (Cholesky, triangular solves,
+    # eigh) on XLA's intra-op pool and block pool threads on their sub-tasks: two such
+    # kernels running at once on a 2-core machine deadlock (seen in the full-covariance
+    # model at D >= 256). 0.9.2 and releases that build this path out are fine.
+    install_requires=["jax>=0.9.2,!=0.10.*", "jaxlib>=0.9.2,!=0.10.*", "optax", "numpy",
+                      "chex", "matplotlib", "absl-py"],
     extras_require={
         "test": ["pytest", "pytest-xdist", "scipy", "scikit-learn", "hypothesis",
                  "nbclient", "nbformat", "ipykernel"],

@@ -99,6 +99,15 @@ class FitReport(NamedTuple):
     return newton is not None and bool(np.any(np.asarray(newton.at_upper)))
 
 
+def _chunk_rows(n: int, chunk_size: int, smallest: int = 32) -> int:
+  """Rows per scoring chunk: ``chunk_size``, or for fewer rows the next power of two
+  (at least ``smallest``), so batches of varying size share a few compilations instead
+  of compiling once per batch size."""
+  if n >= chunk_size:
+    return chunk_size
+  return int(min(chunk_size, max(smallest, 1 << (n - 1).bit_length())))
+
+
 def _transformed_chunks(x, y, transform, chunk_size):
   for start in range(0, x.shape[0], chunk_size):
     xc = validation.check_finite_chunk(x[start:start + chunk_size], "x", start)
@@ -221,7 +230,7 @@ def fit_detector_with_info(x, y, model: str = "coupled", *, num_classes=None,
     if num_components > x.shape[1]:
       raise ValueError(f"num_components={num_components} exceeds the number of features "
                        f"D = {x.shape[1]}.")
-  chunk_size = int(min(chunk_size, x.shape[0]))
+  chunk_size = _chunk_rows(x.shape[0], chunk_size)
   dtype = jnp.asarray(np.zeros((), validation._float_dtype(x.dtype))).dtype
   transform = None
   if preprocess:
@@ -327,7 +336,7 @@ def _evaluate(det: Detector, x, chunk_size: int):
   dtype = validation._float_dtype(x.dtype)
   if n == 0:
     return (jnp.zeros((0, det.num_classes), dtype), jnp.zeros((0,), dtype))
-  chunk_size = int(min(chunk_size, n))
+  chunk_size = _chunk_rows(n, chunk_size)
   class_parts, score_parts = [], []
   for start in range(0, n, chunk_size):
     xc = validation.check_finite_chunk(x[start:start + chunk_size], "x", start)

@@ -12,6 +12,14 @@ import os
 import jax
 import pytest
 
+# tests/run_all.sh points DPMM_JAX_TEST_CACHE at a fresh directory shared by the pytest
+# worker processes of one run, so a program that both workers need (the same EM fit or
+# scorer at the same shapes) is compiled once. Compiled programs are the same either way.
+if os.environ.get("DPMM_JAX_TEST_CACHE"):
+  jax.config.update("jax_compilation_cache_dir", os.environ["DPMM_JAX_TEST_CACHE"])
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
 
 def _is_f64_file(path) -> bool:
   return os.path.basename(str(path)).endswith("_f64.py")

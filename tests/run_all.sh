@@ -5,6 +5,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 workers="${PYTEST_WORKERS:-2}"
+# One compilation cache for this run's pytest processes (see tests/conftest.py).
+if [ -z "${DPMM_JAX_TEST_CACHE:-}" ]; then
+  DPMM_JAX_TEST_CACHE="$(mktemp -d)"
+  trap 'rm -rf "$DPMM_JAX_TEST_CACHE"' EXIT
+fi
+export DPMM_JAX_TEST_CACHE
 python -m pytest tests --ignore-glob='*_f64.py' --ignore-glob='*_multidevice.py' -q -n "$workers" "$@"
 shopt -s nullglob
 f64=(tests/*_f64.py)

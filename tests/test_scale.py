@@ -277,7 +277,8 @@ def test_coupled_narrow_posteriors_use_few_terms_and_keep_accuracy():
   params, _ = coupled.fit(st)
   orders = np.asarray(coupled.scoring_orders(params))
   assert np.all((orders >= 0) & (orders <= 8)), orders      # no class pays P nodes
-  fine, _ = coupled.fit(st, options=coupled.QuadratureOptions(
+  # The same hyperparameters on a 201-node grid twice as wide.
+  fine = coupled.params_from_hyper(params.hyper, st, coupled.QuadratureOptions(
       score_nodes=201, score_half_width=12.0, prior_nodes=1025))
   rng = np.random.default_rng(14)
   test_x = np.concatenate([x[rng.integers(0, len(x), 60)],
