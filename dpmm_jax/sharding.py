@@ -17,7 +17,7 @@ The same code runs on one CPU, on several accelerators of one host and on severa
 on a multi-host system call ``jax.distributed.initialize()`` first in every process, build
 the mesh over ``jax.devices()`` (all processes' devices) and let every process feed its
 own rows (``process_rows`` / ``from_chunks(..., per_process=True)``); see
-docs/build_scale.md. Tests run it on 8 fake CPU devices
+BUILD.md ("Several hosts"). Tests run it on 8 fake CPU devices
 (``XLA_FLAGS=--xla_force_host_platform_device_count=8``).
 """
 import functools

@@ -316,24 +316,30 @@ def mixture_terms(df, loc, scale_sq, log_weights, tol=SERIES_TOL) -> MixtureTerm
                       node_const, level.astype(jnp.int32))
 
 
-def _series_block(order: int, x, t: MixtureTerms):
-  """(M, kb) log densities by the order-``order`` expansion (see MixtureTerms)."""
+def _series_block(order, x, t: MixtureTerms):
+  """(M, kb) log densities by the order-``order`` expansion (see MixtureTerms).
+
+  ``order`` may be traced (0 <= order <= SERIES_ORDERS[-1]): the terms are built in a loop
+  with that trip count, so one compiled block serves every order.
+  """
+  max_order = SERIES_ORDERS[-1]
   z = (x[:, None, :] - t.loc[None]) ** 2 * t.inv_scale[None]       # (M, kb, D)
   base = jnp.sum(t.half_df1[None] * jnp.log1p(z), -1)               # (M, kb)
-  if order == 0:
-    return jax.nn.logsumexp(t.node_const, -1)[None] - base
   w = 1.0 / (1.0 + z)
   v = z * w
-  weight = t.half_df1 * t.direction                                 # c eta^n, n = 1
-  u = v                                                             # 1 - (1 - v)^n
-  sums = [jnp.sum(weight[None] * u, -1)]
-  for _ in range(2, order + 1):
+
+  def term(n, carry):
+    # weight = c eta^n and u = 1 - (1 - v)^n, by u_n = v + (1 - v) u_(n-1), u_0 = 0.
+    weight, u, sums = carry
     weight = weight * t.direction
     u = v + w * u
-    sums.append(jnp.sum(weight[None] * u, -1))
-  sums = jnp.stack(sums, -1)                                         # (M, kb, J)
-  n = jnp.arange(1, order + 1, dtype=x.dtype)
-  coef = (jnp.where(n % 2 == 1, 1.0, -1.0) / n) * t.node_shift[..., None] ** n  # (kb, P, J)
+    return weight, u, sums.at[..., n].set(jnp.sum(weight[None] * u, -1))
+
+  sums = jnp.zeros(base.shape + (max_order,), x.dtype)              # (M, kb, J)
+  _, _, sums = jax.lax.fori_loop(0, order, term, (t.half_df1, jnp.zeros_like(z), sums))
+  n = jnp.arange(1, max_order + 1, dtype=x.dtype)
+  coef = jnp.where(n <= order, jnp.where(n % 2 == 1, 1.0, -1.0) / n, 0.0)
+  coef = coef * t.node_shift[..., None] ** n                        # (kb, P, J)
   series = jnp.einsum("mkj,kpj->mkp", sums, coef)
   return jax.nn.logsumexp(t.node_const[None] + series, -1) - base
 
@@ -350,12 +356,14 @@ def _exact_block(x, t: MixtureTerms):
   return jax.lax.map(one_class, t).T
 
 
-_BRANCHES = tuple(functools.partial(_series_block, order) for order in SERIES_ORDERS) + (
-    _exact_block,)
-
-
 def _adaptive_block(x, t: MixtureTerms):
-  return jax.lax.switch(jnp.max(t.level), _BRANCHES, x, t)
+  """(M, kb): the expansion of the order the block's most demanding class needs, or the
+  exact node sum when one of them needs it (two compiled branches in all)."""
+  level = jnp.max(t.level)
+  orders = jnp.asarray(SERIES_ORDERS, jnp.int32)
+  order = orders[jnp.minimum(level, len(SERIES_ORDERS) - 1)]
+  return jax.lax.cond(level >= len(SERIES_ORDERS), _exact_block,
+                      functools.partial(_series_block, order), x, t)
 
 
 def scoring_orders(params: Params):
