@@ -136,7 +136,7 @@ def _tied_data(seed):
   return x.astype(np.float32), y, x_test.astype(np.float32)
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [0])
 def test_tied_covariances_drive_nu0_up_and_scores_agree_with_tied_model(seed):
   x, y, x_test = _tied_data(seed)
   tied_scores = np.asarray(dpmm_jax.score(dpmm_jax.fit_detector(x, y, "tied"), x_test))

@@ -188,8 +188,10 @@ def _full_stats(seed, num_classes, dim, per_class):
   return stats_lib.from_labels(x, y, num_classes)
 
 
-@pytest.mark.parametrize("dim", [12, 300])   # 300: eigenvalues from the tridiagonal form
-def test_spectral_em_equals_blocked_em(dim):
+@pytest.mark.parametrize("dim,tridiagonal_from", [(12, None), (40, 32)])
+def test_spectral_em_equals_blocked_em(dim, tridiagonal_from, monkeypatch):
+  if tridiagonal_from:   # eigenvalues from the tridiagonal form (D >= 256 by default)
+    monkeypatch.setattr(full, "_TRIDIAGONAL_EIGVALS_MIN_DIM", tridiagonal_from)
   st = _full_stats(8, 3, dim, 2 * dim)
   hyper, info = full.fit_hyper(st, max_iter=8, tol=0.0)
   blocked_hyper, blocked_info = em.run(full.em_step, full.log_marginal_likelihood,
@@ -211,8 +213,10 @@ def test_triangular_inverse_matches_numpy():
   assert np.all(np.triu(np.asarray(got[0]), 1) == 0)
 
 
-def test_full_scoring_matches_triangular_solves():
-  dim = 300
+def test_full_scoring_matches_triangular_solves(monkeypatch):
+  # Recursive triangular inverse three levels deep (from D > 128 by default).
+  monkeypatch.setattr(full, "_INVERSE_BASE", 8)
+  dim = 60
   st = _full_stats(10, 3, dim, 2 * dim)
   params, _ = full.fit(st, max_iter=5)
   rng = np.random.default_rng(11)
@@ -315,12 +319,13 @@ def test_coupled_series_bound_is_respected_at_every_order():
   xt = jnp.asarray(np.concatenate([x[:20], 2.0 * x[20:30]]))
   exact = coupled._exact_block(xt, terms)
   needed = int(np.max(np.asarray(terms.level)))
+  series = jax.jit(coupled._series_block)       # the order is traced: one compilation
   for level, order in enumerate(coupled.SERIES_ORDERS):
-    got = coupled._series_block(order, xt, terms)
+    got = series(order, xt, terms)
     err = float(jnp.max(jnp.abs(got - exact)))
     if level >= needed:
       assert err < 2e-3, (order, err)
-  assert float(jnp.max(jnp.abs(coupled._series_block(0, xt, terms) - exact))) > 1e-3
+  assert float(jnp.max(jnp.abs(series(0, xt, terms) - exact))) > 1e-3
 
 
 # -------------------------------------------------------------------- benchmark smoke
