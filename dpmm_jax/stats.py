@@ -208,10 +208,17 @@ def update(stats: SufficientStats, x, y, block_size: int = 128) -> SufficientSta
 
 
 def finalize(stats: SufficientStats) -> SufficientStats:
-  """Symmetrises the (K, D, D) and (D, D) scatters (removes round-off asymmetry)."""
+  """Symmetrises the (K, D, D) and (D, D) scatters (removes round-off asymmetry).
+
+  The per-class blocks are symmetrised one class at a time in place, so a donated
+  (K, D, D) scatter is not copied (2.4 GB at K = 1000, D = 768).
+  """
   scatter = None
   if stats.scatter is not None:
-    scatter = 0.5 * (stats.scatter + jnp.swapaxes(stats.scatter, -1, -2))
+    def one_class(k, acc):
+      block = jax.lax.dynamic_index_in_dim(acc, k, keepdims=False)
+      return jax.lax.dynamic_update_index_in_dim(acc, 0.5 * (block + block.T), k, 0)
+    scatter = jax.lax.fori_loop(0, stats.num_classes, one_class, stats.scatter)
   pooled = 0.5 * (stats.pooled_scatter + stats.pooled_scatter.T)
   return stats._replace(scatter=scatter, pooled_scatter=pooled)
 

@@ -11,11 +11,11 @@ if [ -z "${DPMM_JAX_TEST_CACHE:-}" ]; then
   trap 'rm -rf "$DPMM_JAX_TEST_CACHE"' EXIT
 fi
 export DPMM_JAX_TEST_CACHE
-python -m pytest tests --ignore-glob='*_f64.py' --ignore-glob='*_multidevice.py' -q -n "$workers" "$@"
+python -m pytest tests --ignore-glob='*_f64.py' --ignore-glob='*_multidevice.py' -q -n "$workers" --dist worksteal "$@"
 shopt -s nullglob
 f64=(tests/*_f64.py)
 if [ ${#f64[@]} -gt 0 ]; then
-  python -m pytest "${f64[@]}" -q -n "$workers" "$@"
+  python -m pytest "${f64[@]}" -q -n "$workers" --dist worksteal "$@"
 fi
 multi=(tests/*_multidevice.py)
 if [ ${#multi[@]} -gt 0 ]; then
