@@ -15,9 +15,10 @@ meets the tolerance, and every ``boundary_every`` iterations, it proposes moving
 concentration onto its cap where the marginal likelihood still increases there (the KKT
 condition at an upper bound; by Fisher's identity the slope of the log marginal
 likelihood is the M-step's, which is computed without cancellation). If anything moves,
-one EM step is taken from the candidate within the same iteration and kept when its log
-marginal likelihood is not lower than the plain step's by more than the tolerance. EM
-then goes on from there: the other hyperparameters are re-estimated, and the Newton
+the next iteration's EM step starts from the candidate, and its result is kept when its
+log marginal likelihood is not lower than the plain iterate's by more than the tolerance
+(otherwise EM resumes from the plain iterate; the trace records a flat step). EM then
+goes on from there: the other hyperparameters are re-estimated, and the Newton
 M-step, which starts at the cap, confirms it (``NewtonInfo.at_upper``).
 """
 from typing import Any, Callable, NamedTuple, Optional
@@ -69,46 +70,53 @@ def run(step: Callable, log_marginal_likelihood: Callable, init_hyper, stats, *,
   trace = jnp.full((max_iter + 1,), jnp.nan, lml0.dtype).at[0].set(lml0)
   _, newton0 = jax.eval_shape(step, init_hyper, stats)
   newton_init = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), newton0)
+  pick = lambda flag, a, b: jax.tree_util.tree_map(lambda u, v: jnp.where(flag, u, v), a, b)
 
   def small_change(new_lml, lml):
     return jnp.abs(new_lml - lml) <= tol * jnp.maximum(1.0, jnp.abs(new_lml))
 
   def cond(carry):
-    _, _, _, it, converged, _, _ = carry
-    return (it < max_iter) & ~converged
-
-  def try_boundary(args):
-    hyper, lml, newton = args
-    candidate = boundary(hyper, stats)
-    moved = jnp.any(jnp.stack([jnp.any(a != b) for a, b in zip(
-        jax.tree_util.tree_leaves(candidate), jax.tree_util.tree_leaves(hyper))]))
-    # One EM step from the candidate re-estimates the other hyperparameters and confirms
-    # the cap (its Newton starts there and reports at_upper).
-    cand_hyper, cand_newton = step(candidate, stats)
-    cand_lml = log_marginal_likelihood(cand_hyper, stats)
-    accept = (moved & jnp.isfinite(cand_lml)
-              & (cand_lml >= lml - tol * jnp.maximum(1.0, jnp.abs(lml))))
-    pick = lambda a, b: jax.tree_util.tree_map(lambda u, v: jnp.where(accept, u, v), a, b)
-    return pick(cand_hyper, hyper), jnp.where(accept, cand_lml, lml), pick(cand_newton, newton)
+    return (carry["it"] < max_iter) & ~carry["converged"]
 
   def body(carry):
-    hyper, lml, trace, it, _, _, tried = carry
-    new_hyper, newton = step(hyper, stats)
+    # When a boundary candidate is pending, carry["hyper"] is that candidate and this
+    # iteration's step evaluates it; carry["fallback"] holds the plain EM iterate it
+    # competes with. Evaluating it here, instead of with a second step inside the
+    # proposal, keeps one copy of the step in the compiled loop.
+    lml, it, pending = carry["lml"], carry["it"], carry["pending"]
+    new_hyper, newton = step(carry["hyper"], stats)
     new_lml = log_marginal_likelihood(new_hyper, stats)
-    if boundary is not None:
-      small = small_change(new_lml, lml)
-      attempt = (small & ~tried) | ((it + 1) % boundary_every == 0)
-      new_hyper, new_lml, newton = jax.lax.cond(attempt, try_boundary, lambda args: args,
-                                                (new_hyper, new_lml, newton))
-      tried = tried | (attempt & small)
-    converged = small_change(new_lml, lml)
-    return (new_hyper, new_lml, trace.at[it + 1].set(new_lml), it + 1, converged, newton,
-            tried)
+    if boundary is None:
+      converged = small_change(new_lml, lml)
+      tried = carry["tried"]
+    else:
+      fb_hyper, fb_newton, fb_small = carry["fallback"]
+      accept = jnp.isfinite(new_lml) & (new_lml >= lml - tol * jnp.maximum(1.0, jnp.abs(lml)))
+      reject = pending & ~accept
+      new_hyper = pick(reject, fb_hyper, new_hyper)
+      newton = pick(reject, fb_newton, newton)
+      new_lml = jnp.where(reject, lml, new_lml)
+      small = jnp.where(reject, fb_small, small_change(new_lml, lml))
+      attempt = ~pending & ((small & ~carry["tried"]) | ((it + 1) % boundary_every == 0))
+      candidate = jax.lax.cond(attempt, lambda h: boundary(h, stats), lambda h: h, new_hyper)
+      moved = attempt & jnp.any(jnp.stack([jnp.any(a != b) for a, b in zip(
+          jax.tree_util.tree_leaves(candidate), jax.tree_util.tree_leaves(new_hyper))]))
+      tried = carry["tried"] | (attempt & small)
+      converged = small & ~moved
+      carry = dict(carry, fallback=(new_hyper, newton, small), pending=moved)
+      new_hyper = candidate
+    return dict(carry, hyper=new_hyper, lml=new_lml, trace=carry["trace"].at[it + 1].set(new_lml),
+                it=it + 1, converged=converged, newton=newton, tried=tried)
 
-  init = (init_hyper, lml0, trace, jnp.array(0, jnp.int32), jnp.array(False), newton_init,
-          jnp.array(False))
-  hyper, _, trace, it, converged, newton, _ = jax.lax.while_loop(cond, body, init)
-  return hyper, EMInfo(trace, it, converged, newton)
+  init = dict(hyper=init_hyper, lml=lml0, trace=trace, it=jnp.array(0, jnp.int32),
+              converged=jnp.array(False), newton=newton_init, tried=jnp.array(False),
+              pending=jnp.array(False), fallback=(init_hyper, newton_init, jnp.array(False)))
+  out = jax.lax.while_loop(cond, body, init)
+  # A candidate still pending when max_iter is reached was never evaluated: keep the
+  # plain iterate whose likelihood the trace records.
+  hyper = pick(out["pending"], out["fallback"][0], out["hyper"])
+  newton = out["newton"]
+  return hyper, EMInfo(out["trace"], out["it"], out["converged"], newton)
 
 
 def propose_caps(step: Callable, hyper, stats, caps):

@@ -335,7 +335,8 @@ def _series_block(order, x, t: MixtureTerms):
     u = v + w * u
     return weight, u, sums.at[..., n].set(jnp.sum(weight[None] * u, -1))
 
-  sums = jnp.zeros(base.shape + (max_order,), x.dtype)              # (M, kb, J)
+  # zeros_like keeps x's sharding type (varying over a shard_map axis) for the loop carry.
+  sums = jnp.zeros_like(base)[..., None] + jnp.zeros((max_order,), x.dtype)   # (M, kb, J)
   _, _, sums = jax.lax.fori_loop(0, order, term, (t.half_df1, jnp.zeros_like(z), sums))
   n = jnp.arange(1, max_order + 1, dtype=x.dtype)
   coef = jnp.where(n <= order, jnp.where(n % 2 == 1, 1.0, -1.0) / n, 0.0)
