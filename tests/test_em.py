@@ -174,3 +174,35 @@ def test_unequal_covariances_keep_nu0_small():
                                                 df_cap=3.0 * NK_TIED)
   assert not bool(report.em.newton.at_upper)
   assert 4.5 < float(det.params.hyper.df) < 12.0, float(det.params.hyper.df)
+
+
+def test_rejected_boundary_candidates_leave_the_em_path_unchanged():
+  """A boundary proposal whose candidate is worse (here: the prior location moved far
+  away, which the M-step keeps) is evaluated by the next step and rejected: EM resumes
+  from the plain iterate, records a flat step, keeps going after periodic attempts, and
+  ends where EM without a boundary ends."""
+  st = _synthetic_stats(0, full_stats=False)
+  step, lml = diag.em_step, diag.log_marginal_likelihood
+  init = diag.init_hyper(st)
+  tol, max_iter = 1e-7, 100
+  plain, plain_info = em.run(step, lml, init, st, tol=tol, max_iter=max_iter)
+
+  def bad_boundary(hyper, stats):
+    del stats
+    return hyper._replace(loc=hyper.loc + 100.0)
+
+  got, info = em.run(step, lml, init, st, tol=tol, max_iter=max_iter,
+                     boundary=bad_boundary, boundary_every=3)
+  n, n_plain = int(info.num_iters), int(plain_info.num_iters)
+  assert bool(plain_info.converged) and bool(info.converged)
+  trace = np.asarray(info.log_marginal_trace[:n + 1], np.float64)
+  assert np.all(np.diff(trace) >= -REL_SLACK * np.abs(trace[1:]))
+  # Every third iteration proposes and the next one rejects (a flat step), so EM needs
+  # more iterations but reaches the same point.
+  assert n > n_plain
+  assert np.sum(np.diff(trace) == 0.0) >= 1
+  np.testing.assert_array_equal(got.loc, init.loc)        # the candidate never survived
+  np.testing.assert_allclose(trace[-1], float(plain_info.log_marginal_trace[n_plain]),
+                             rtol=1e-6)
+  np.testing.assert_allclose(got.df, plain.df, rtol=1e-3)
+  np.testing.assert_allclose(got.mean_concentration, plain.mean_concentration, rtol=1e-3)

@@ -182,6 +182,20 @@ def test_api_scoring_traces_once_for_all_chunks():
   assert api._evaluate_chunk._cache_size() - before == 1
 
 
+def test_api_scoring_batches_of_varying_size_share_compilations():
+  x, y = _labelled(8, 400, 3, 13)
+  det = api.fit_detector(x, y, model="diag")
+  reference = np.asarray(api.score(det, x[:60]))
+  before = api._evaluate_chunk._cache_size()
+  # Sizes up to 32 share one padded shape, 33..64 the next power of two.
+  for size in (5, 17, 30, 32):
+    np.testing.assert_allclose(api.score(det, x[:size]), reference[:size], rtol=1e-6)
+  assert api._evaluate_chunk._cache_size() - before <= 1
+  for size in (33, 47, 60):
+    np.testing.assert_allclose(api.score(det, x[:size]), reference[:size], rtol=1e-6)
+  assert api._evaluate_chunk._cache_size() - before <= 2
+
+
 # ---------------------------------------------------------------- full covariance
 def _full_stats(seed, num_classes, dim, per_class):
   x, y = _labelled(seed, num_classes * per_class, num_classes, dim, offset=5.0)
