@@ -180,12 +180,12 @@ def test_rejected_boundary_candidates_leave_the_em_path_unchanged():
   """A boundary proposal whose candidate is worse (here: the prior location moved far
   away, which the M-step keeps) is evaluated by the next step and rejected: EM resumes
   from the plain iterate, records a flat step, keeps going after periodic attempts, and
-  ends where EM without a boundary ends."""
+  ends where EM without a boundary ends (in log marginal likelihood)."""
   st = _synthetic_stats(0, full_stats=False)
   step, lml = diag.em_step, diag.log_marginal_likelihood
   init = diag.init_hyper(st)
   tol, max_iter = 1e-7, 100
-  plain, plain_info = em.run(step, lml, init, st, tol=tol, max_iter=max_iter)
+  _, plain_info = em.run(step, lml, init, st, tol=tol, max_iter=max_iter)
 
   def bad_boundary(hyper, stats):
     del stats
@@ -194,15 +194,15 @@ def test_rejected_boundary_candidates_leave_the_em_path_unchanged():
   got, info = em.run(step, lml, init, st, tol=tol, max_iter=max_iter,
                      boundary=bad_boundary, boundary_every=3)
   n, n_plain = int(info.num_iters), int(plain_info.num_iters)
-  assert bool(plain_info.converged) and bool(info.converged)
+  assert bool(plain_info.converged) and bool(info.converged) and n_plain >= 3
   trace = np.asarray(info.log_marginal_trace[:n + 1], np.float64)
+  plain_trace = np.asarray(plain_info.log_marginal_trace[:n_plain + 1], np.float64)
   assert np.all(np.diff(trace) >= -REL_SLACK * np.abs(trace[1:]))
-  # Every third iteration proposes and the next one rejects (a flat step), so EM needs
-  # more iterations but reaches the same point.
-  assert n > n_plain
-  assert np.sum(np.diff(trace) == 0.0) >= 1
+  # Up to the first attempt (iteration 3) the paths are the plain EM path; iteration 3
+  # proposes, iteration 4 evaluates and rejects the candidate: a flat step, exactly.
+  np.testing.assert_allclose(trace[:4], plain_trace[:4], rtol=1e-6)
+  assert trace[4] == trace[3]
   np.testing.assert_array_equal(got.loc, init.loc)        # the candidate never survived
-  np.testing.assert_allclose(trace[-1], float(plain_info.log_marginal_trace[n_plain]),
-                             rtol=1e-6)
-  np.testing.assert_allclose(got.df, plain.df, rtol=1e-3)
-  np.testing.assert_allclose(got.mean_concentration, plain.mean_concentration, rtol=1e-3)
+  # Both runs stop on the same rule; near the optimum float32 EM moves along a flat
+  # direction of L, so the end points agree in L to the stopping tolerance, not in nu0.
+  assert abs(trace[-1] - plain_trace[-1]) <= 10 * tol * abs(plain_trace[-1])
