@@ -252,6 +252,47 @@ _update_jit = jax.jit(_update, static_argnames=("block_size", "axis_name"), dona
 _finalize_jit = jax.jit(finalize, donate_argnums=(0,))
 
 
+def from_responsibilities(x, resp, full: bool = True) -> SufficientStats:
+  """Soft-assignment (weighted) sufficient statistics, centred and exact in float32.
+
+  count_k = sum_m r_mk, mean_k = sum_m r_mk x_m / count_k and the scatter
+  sum_m r_mk (x_m - mean_k)(x_m - mean_k)^T, formed one class at a time from deviations
+  about the class mean (no raw moments, no (M, K, D) temporary). A class with zero total
+  weight gets the global mean and zero scatter, so conjugate updates return its prior.
+  With one-hot ``resp`` this equals ``from_labels``. Used by the variational (CAVI)
+  modules, whose M-steps are conjugate updates from these statistics.
+
+  Args:
+    x: (M, D) points.
+    resp: (M, K) non-negative weights (responsibilities).
+    full: also form the (K, D, D) scatter (static).
+  Returns:
+    SufficientStats with real-valued counts.
+  """
+  x = jnp.asarray(x)
+  resp = jnp.asarray(resp, x.dtype)
+  centre = jnp.mean(x, axis=0)
+  xc = x - centre
+  count = jnp.sum(resp, axis=0)
+  safe = jnp.where(count > 0, count, 1.0)
+  mean = (resp.T @ xc) / safe[:, None]
+
+  def one_class(pooled, args):
+    r_k, m_k = args
+    d = xc - m_k
+    wd = d * r_k[:, None]
+    s_k = wd.T @ d
+    return pooled + s_k, (jnp.sum(wd * d, axis=0), s_k if full else None)
+
+  dim = x.shape[-1]
+  pooled, (sq_dev, scatter) = jax.lax.scan(one_class, jnp.zeros((dim, dim), x.dtype),
+                                           (resp.T, mean))
+  pooled = 0.5 * (pooled + pooled.T)
+  if full:
+    scatter = 0.5 * (scatter + jnp.swapaxes(scatter, -1, -2))
+  return SufficientStats(count, mean + centre, sq_dev, scatter, pooled)
+
+
 def merge(a: SufficientStats, b: SufficientStats) -> SufficientStats:
   """Exact statistics of the union of two disjoint data sets (Chan et al. 1979).
 
