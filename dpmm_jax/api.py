@@ -37,6 +37,10 @@ class ConvergenceWarning(UserWarning):
   uses the last iterate; ``fit_detector_with_info`` returns the trace)."""
 
 
+class IdenticalClassWarning(UserWarning):
+  """A class's training points are all identical; it is fitted as a single point."""
+
+
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=("transform", "params"), meta_fields=("model", "num_classes"))
 @dataclasses.dataclass(frozen=True)
@@ -197,6 +201,28 @@ def _check_within_class(stats, model: str, preprocessed: bool):
           f"{dim} ({cause}). Use {fix}, or model='diag', 'tied' or 'rmds'.")
 
 
+def _identical_classes_as_singletons(stats, model: str):
+  """Fits each class whose N_k > 1 points are all identical as one point (warns).
+
+  Every Gaussian model then treats it the same way: as the de-duplicated singleton class,
+  mean = the point, covariance from the prior (hierarchical models, tied) or the pooled
+  covariance (baselines). Left as N_k points of zero spread, the per-class-covariance
+  models would shrink its covariance by ~1/N_k (independent RMDS, full, diag) or drive its
+  scale to zero (coupled: no ordinary point could then be scored). The DPMM class weight
+  stays N_k (set after the fit). See docs/failure_modes.md.
+  """
+  which = np.asarray(stats_lib.identical_classes(stats))
+  if not which.any():
+    return stats
+  warnings.warn(
+      f"{int(which.sum())} class(es) (first: {validation._listed(np.flatnonzero(which))}) "
+      "have two or more training points that are all identical. The "
+      f"{model} model fits each of them as a single point (its covariance comes from the "
+      "prior or the pooled covariance, as for a one-point class); remove exact duplicates "
+      "to silence this warning.", IdenticalClassWarning, stacklevel=3)
+  return stats_lib.as_singletons(stats, which)
+
+
 def _check_finite_params(det: "Detector"):
   for path, leaf in jax.tree_util.tree_flatten_with_path(det)[0]:
     leaf = np.asarray(leaf)
@@ -237,11 +263,16 @@ def fit_detector_with_info(x, y, model: str = "coupled", *, num_classes=None,
     raw = stats_lib.from_chunks(_transformed_chunks(x, y, None, chunk_size), num_classes,
                                 full=False, chunk_size=chunk_size, dtype=dtype)
     validation.finite_stats(raw)
+    if model not in ("msp", "temp_msp"):
+      raw = stats_lib.as_singletons(raw, stats_lib.identical_classes(raw))
     transform = preprocess_lib.fit(raw, num_components)
   stats = stats_lib.from_chunks(_transformed_chunks(x, y, transform, chunk_size),
                                 num_classes, full=model in _FULL_STATS,
                                 chunk_size=chunk_size, dtype=dtype)
   validation.finite_stats(stats)
+  counts = np.asarray(stats.count)
+  if model not in ("msp", "temp_msp"):
+    stats = _identical_classes_as_singletons(stats, model)
   if model not in ("msp", "temp_msp"):
     _check_within_class(stats, model, preprocess)
   if model == "full" and options.get("df") is not None:
@@ -257,9 +288,12 @@ def fit_detector_with_info(x, y, model: str = "coupled", *, num_classes=None,
     return jnp.concatenate([c for c, _ in _transformed_chunks(x, y, transform, chunk_size)])
 
   params, info = _fit_model(model, stats, transformed_features, y, key, options)
+  if model in DPMM_MODELS:
+    # The class weights N_k of the DP mixture count every training point, duplicates too.
+    params = params._replace(log_counts=jnp.log(jnp.asarray(counts, params.log_counts.dtype)))
   det = Detector(model, num_classes, transform, params)
   _check_finite_params(det)
-  report = FitReport(info, int(stats.dim), np.asarray(stats.count))
+  report = FitReport(info, int(stats.dim), counts)
   if not report.converged:
     warnings.warn(
         f"EM for the {model!r} model stopped at max_iter={report.num_iters} before the "
