@@ -10,7 +10,7 @@ and scoring never returns non-finite scores for finite inputs: both raise instea
 import dataclasses
 import functools
 import warnings
-from typing import Any, Dict, NamedTuple, Optional
+from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -77,13 +77,26 @@ def _model_dim(det) -> int:
   return p.class_mean.shape[-1]
 
 
+class FitDiagnosticWarning(UserWarning):
+  """The fit reached a state worth a look (``FitReport.problems`` lists it): a Newton
+  M-step that did not converge or ended on its lower bound, or the coupled model's
+  search for a class's posterior mode of log gamma_k that did not converge or was
+  clipped at +-30. The detector is usable; its scores for the affected classes rest on
+  that state."""
+
+
 class FitReport(NamedTuple):
   """What ``fit_detector_with_info`` says about the fit: EM info (``em.EMInfo`` for the
   hierarchical models, ``linear.LinearFitInfo`` for MSP heads, else None), the
-  preprocessing output dimension and the training-set class counts."""
+  preprocessing output dimension, the training-set class counts and ``diagnostics``
+  ({name: bool}, hierarchical models only; see the properties)."""
   em: Any
   dim: int
   counts: np.ndarray
+  diagnostics: Optional[Dict[str, bool]] = None
+
+  def _flag(self, name: str) -> bool:
+    return bool((self.diagnostics or {}).get(name, False))
 
   @property
   def converged(self) -> bool:
@@ -97,10 +110,80 @@ class FitReport(NamedTuple):
 
   @property
   def at_cap(self) -> bool:
-    """Some concentration (nu0, or the coupled model's alpha0) ended at its cap: its
-    optimum is at infinity (tied covariances), which EM reached and reports."""
+    """Some concentration ended at its cap: nu0 or the coupled model's alpha0 (tied
+    covariances), or kappa0 (class means that vary no more than their noise). Its
+    optimum is at infinity, which EM reached and reports; not a failure."""
     newton = getattr(self.em, "newton", None)
-    return newton is not None and bool(np.any(np.asarray(newton.at_upper)))
+    nu_alpha = newton is not None and bool(np.any(np.asarray(newton.at_upper)))
+    return nu_alpha or self.kappa_at_cap
+
+  @property
+  def kappa_at_cap(self) -> bool:
+    """kappa0 ended at its cap (1e6): the prior on the class means is a point mass."""
+    return self._flag("kappa_at_cap")
+
+  @property
+  def newton_converged(self) -> bool:
+    """The last EM iteration's Newton M-steps (nu0, alpha0) met their tolerance."""
+    newton = getattr(self.em, "newton", None)
+    return newton is None or bool(np.all(np.asarray(newton.converged)))
+
+  @property
+  def at_lower_bound(self) -> bool:
+    """A Newton-updated concentration (nu0, alpha0) ended on its lower bound."""
+    return self._flag("at_lower_bound")
+
+  @property
+  def mode_search_converged(self) -> bool:
+    """Coupled model: every class's Newton search for the mode of log gamma_k converged."""
+    return not self._flag("mode_search_not_converged")
+
+  @property
+  def mode_clipped(self) -> bool:
+    """Coupled model: some class's mode of log gamma_k was clipped at +-30."""
+    return self._flag("mode_clipped")
+
+  @property
+  def problems(self) -> Tuple[str, ...]:
+    """Human-readable list of the diagnostics that call for a look (warned at fit)."""
+    out = []
+    if not self.newton_converged:
+      out.append("a Newton M-step (nu0 or alpha0) did not converge in the last EM iteration")
+    if self.at_lower_bound:
+      out.append("a concentration (nu0 or alpha0) ended on its lower bound")
+    if not self.mode_search_converged:
+      out.append("the coupled model's search for a class's mode of log gamma_k did not "
+                 "converge")
+    if self.mode_clipped:
+      out.append("the coupled model clipped a class's mode of log gamma_k at +-30 (a class "
+                 "with (almost) no spread, or far larger than the rest)")
+    return tuple(out)
+
+
+_coupled_mode = jax.jit(coupled.posterior_mode)
+
+
+def _diagnostics(model: str, params, stats) -> Optional[Dict[str, bool]]:
+  """Flags assembled from the fitted hyperparameters (hierarchical models only)."""
+  if model not in _HIERARCHICAL:
+    return None
+  hyper = params.hyper
+  module = {"full": full, "diag": diag, "coupled": coupled}[model]
+  kappa_cap = getattr(module, "KAPPA_CAP", diag.KAPPA_CAP)
+  kappa = np.asarray(hyper.mean_concentration, np.float64)
+  tiny = 1e-6
+  # Newton's lower bound is x = theta - offset >= 1e-3 (newton.maximize); full: offset D+1.
+  offset = stats.dim + 1.0 if model == "full" else 0.0
+  low = [np.asarray(hyper.df, np.float64) - offset]
+  if model == "coupled":
+    low.append(np.asarray(hyper.gamma_shape, np.float64))
+  flags = {"kappa_at_cap": bool(np.any(kappa >= kappa_cap * (1 - tiny))),
+           "at_lower_bound": bool(any(np.any(v <= 1e-3 * (1 + 1e-3)) for v in low))}
+  if model == "coupled":
+    mode, _, converged = _coupled_mode(hyper, stats)
+    flags["mode_search_not_converged"] = not bool(np.all(np.asarray(converged)))
+    flags["mode_clipped"] = bool(np.any(np.abs(np.asarray(mode)) >= coupled.U_BOUND))
+  return flags
 
 
 def _chunk_rows(n: int, chunk_size: int, smallest: int = 32) -> int:
@@ -293,7 +376,10 @@ def fit_detector_with_info(x, y, model: str = "coupled", *, num_classes=None,
     params = params._replace(log_counts=jnp.log(jnp.asarray(counts, params.log_counts.dtype)))
   det = Detector(model, num_classes, transform, params)
   _check_finite_params(det)
-  report = FitReport(info, int(stats.dim), counts)
+  report = FitReport(info, int(stats.dim), counts, _diagnostics(model, params, stats))
+  for problem in report.problems:
+    warnings.warn(f"Fitting the {model!r} model: {problem}; see FitReport and "
+                  "docs/failure_modes.md.", FitDiagnosticWarning, stacklevel=2)
   if not report.converged:
     warnings.warn(
         f"EM for the {model!r} model stopped at max_iter={report.num_iters} before the "
