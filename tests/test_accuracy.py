@@ -184,3 +184,34 @@ def test_empirical_bayes_tied_score_tracks_rmds_at_least_as_well_as_the_paper_ch
     rho[choice] = scipy.stats.spearmanr(s, rmds)[0]
   assert rho["empirical_bayes"] >= rho["total"], rho
   assert rho["empirical_bayes"] > 0.95, rho
+
+
+# ----------------------------------------------------------------- honest fit reports
+def test_fit_report_says_when_kappa0_reaches_its_cap():
+  """Classes with one common mean and different spreads: the marginal likelihood grows
+  with kappa0 without bound, EM moves it onto its cap (1e6), and the report says so
+  (before: ``at_cap`` only looked at nu0 and alpha0)."""
+  rng = np.random.default_rng(0)
+  x, y, _, _, _ = _identical_class_problem()            # shapes shared with the test above
+  scales = np.exp(rng.normal(size=4))
+  x = (rng.normal(size=x.shape) * np.sqrt(scales[y])[:, None]).astype(np.float32)
+  det, report = dpmm_jax.fit_detector_with_info(x, y, "diag")
+  assert float(np.max(det.params.hyper.mean_concentration)) >= 0.99e6
+  assert report.kappa_at_cap and report.at_cap
+  assert report.newton_converged and not report.at_lower_bound and not report.problems
+
+
+def test_fit_report_lists_newton_and_mode_search_problems():
+  """The properties read EM's Newton record and the assembled diagnostics; each problem
+  is listed (and warned at fit)."""
+  newton = dpmm_jax.newton.NewtonInfo(jnp.asarray(100), jnp.asarray(False), jnp.asarray(False))
+  info = dpmm_jax.em.EMInfo(jnp.zeros(3), jnp.asarray(2), jnp.asarray(True), newton)
+  flags = {"kappa_at_cap": False, "at_lower_bound": True,
+           "mode_search_not_converged": True, "mode_clipped": True}
+  report = dpmm_jax.FitReport(info, 3, np.ones(2), flags)
+  assert not report.newton_converged and report.at_lower_bound
+  assert not report.mode_search_converged and report.mode_clipped
+  assert len(report.problems) == 4 and not report.at_cap
+  clean = dpmm_jax.FitReport(info._replace(newton=newton._replace(converged=jnp.asarray(True))),
+                             3, np.ones(2), dict.fromkeys(flags, False))
+  assert clean.problems == ()
