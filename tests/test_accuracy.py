@@ -215,3 +215,20 @@ def test_fit_report_lists_newton_and_mode_search_problems():
   clean = dpmm_jax.FitReport(info._replace(newton=newton._replace(converged=jnp.asarray(True))),
                              3, np.ones(2), dict.fromkeys(flags, False))
   assert clean.problems == ()
+
+
+# ------------------------------------------------------------------ experiment binary
+def test_accuracy_tables_smoke(tmp_path):
+  """experiments.accuracy_tables at its smallest: digits only, two models."""
+  from experiments import accuracy_tables  # pylint: disable=g-import-not-at-top
+  out = accuracy_tables.run(str(tmp_path), problems=("digits",), models=("rmds", "tied"),
+                            figure_dir=str(tmp_path / "fig"))
+  res = out["benchmarks"]["digits"]["results"]
+  # The empirical-Bayes tied model and RMDS agree (Proposition 2) on the ID test set.
+  assert abs(res["tied"]["accuracy"] - res["rmds"]["accuracy"]) < 0.02
+  row = out["tied_prior"]["rows"][0]
+  assert row["spearman_tied_empirical_bayes_vs_rmds"] >= row["spearman_tied_total_vs_rmds"]
+  for name in ("benchmark_digits.md", "benchmark_digits.csv", "benchmark_digits.json",
+               "accuracy_tied_prior.md"):
+    assert (tmp_path / name).exists(), name
+  assert (tmp_path / "fig" / "benchmark_digits.png").stat().st_size > 5000
