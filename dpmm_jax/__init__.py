@@ -12,6 +12,7 @@ The functional layer (``stats``, ``preprocess``, ``conjugate.niw``/``nix``, ``ne
 ``em``, ``models.*``, ``scores``, ``metrics``) stays public for composing in JAX code.
 """
 from dpmm_jax.api import (DPMM_MODELS, MODELS, ConvergenceWarning, Detector, FitReport,
+                          FitDiagnosticWarning, IdenticalClassWarning,
                           class_scores, fit_detector, fit_detector_with_info,
                           outlier_probability, predict, score)
 from dpmm_jax.serialization import DetectorFileError, load, save

@@ -10,7 +10,7 @@ and scoring never returns non-finite scores for finite inputs: both raise instea
 import dataclasses
 import functools
 import warnings
-from typing import Any, Dict, NamedTuple, Optional
+from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +35,10 @@ MSP_TEMPERATURE = 1000.0
 class ConvergenceWarning(UserWarning):
   """EM stopped at ``max_iter`` before meeting its tolerance (the detector is usable and
   uses the last iterate; ``fit_detector_with_info`` returns the trace)."""
+
+
+class IdenticalClassWarning(UserWarning):
+  """A class's training points are all identical; it is fitted as a single point."""
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -73,13 +77,26 @@ def _model_dim(det) -> int:
   return p.class_mean.shape[-1]
 
 
+class FitDiagnosticWarning(UserWarning):
+  """The fit reached a state worth a look (``FitReport.problems`` lists it): a Newton
+  M-step that did not converge or ended on its lower bound, or the coupled model's
+  search for a class's posterior mode of log gamma_k that did not converge or was
+  clipped at +-30. The detector is usable; its scores for the affected classes rest on
+  that state."""
+
+
 class FitReport(NamedTuple):
   """What ``fit_detector_with_info`` says about the fit: EM info (``em.EMInfo`` for the
   hierarchical models, ``linear.LinearFitInfo`` for MSP heads, else None), the
-  preprocessing output dimension and the training-set class counts."""
+  preprocessing output dimension, the training-set class counts and ``diagnostics``
+  ({name: bool}, hierarchical models only; see the properties)."""
   em: Any
   dim: int
   counts: np.ndarray
+  diagnostics: Optional[Dict[str, bool]] = None
+
+  def _flag(self, name: str) -> bool:
+    return bool((self.diagnostics or {}).get(name, False))
 
   @property
   def converged(self) -> bool:
@@ -93,10 +110,80 @@ class FitReport(NamedTuple):
 
   @property
   def at_cap(self) -> bool:
-    """Some concentration (nu0, or the coupled model's alpha0) ended at its cap: its
-    optimum is at infinity (tied covariances), which EM reached and reports."""
+    """Some concentration ended at its cap: nu0 or the coupled model's alpha0 (tied
+    covariances), or kappa0 (class means that vary no more than their noise). Its
+    optimum is at infinity, which EM reached and reports; not a failure."""
     newton = getattr(self.em, "newton", None)
-    return newton is not None and bool(np.any(np.asarray(newton.at_upper)))
+    nu_alpha = newton is not None and bool(np.any(np.asarray(newton.at_upper)))
+    return nu_alpha or self.kappa_at_cap
+
+  @property
+  def kappa_at_cap(self) -> bool:
+    """kappa0 ended at its cap (1e6): the prior on the class means is a point mass."""
+    return self._flag("kappa_at_cap")
+
+  @property
+  def newton_converged(self) -> bool:
+    """The last EM iteration's Newton M-steps (nu0, alpha0) met their tolerance."""
+    newton = getattr(self.em, "newton", None)
+    return newton is None or bool(np.all(np.asarray(newton.converged)))
+
+  @property
+  def at_lower_bound(self) -> bool:
+    """A Newton-updated concentration (nu0, alpha0) ended on its lower bound."""
+    return self._flag("at_lower_bound")
+
+  @property
+  def mode_search_converged(self) -> bool:
+    """Coupled model: every class's Newton search for the mode of log gamma_k converged."""
+    return not self._flag("mode_search_not_converged")
+
+  @property
+  def mode_clipped(self) -> bool:
+    """Coupled model: some class's mode of log gamma_k was clipped at +-30."""
+    return self._flag("mode_clipped")
+
+  @property
+  def problems(self) -> Tuple[str, ...]:
+    """Human-readable list of the diagnostics that call for a look (warned at fit)."""
+    out = []
+    if not self.newton_converged:
+      out.append("a Newton M-step (nu0 or alpha0) did not converge in the last EM iteration")
+    if self.at_lower_bound:
+      out.append("a concentration (nu0 or alpha0) ended on its lower bound")
+    if not self.mode_search_converged:
+      out.append("the coupled model's search for a class's mode of log gamma_k did not "
+                 "converge")
+    if self.mode_clipped:
+      out.append("the coupled model clipped a class's mode of log gamma_k at +-30 (a class "
+                 "with (almost) no spread, or far larger than the rest)")
+    return tuple(out)
+
+
+_coupled_mode = jax.jit(coupled.posterior_mode)
+
+
+def _diagnostics(model: str, params, stats) -> Optional[Dict[str, bool]]:
+  """Flags assembled from the fitted hyperparameters (hierarchical models only)."""
+  if model not in _HIERARCHICAL:
+    return None
+  hyper = params.hyper
+  module = {"full": full, "diag": diag, "coupled": coupled}[model]
+  kappa_cap = getattr(module, "KAPPA_CAP", diag.KAPPA_CAP)
+  kappa = np.asarray(hyper.mean_concentration, np.float64)
+  tiny = 1e-6
+  # Newton's lower bound is x = theta - offset >= 1e-3 (newton.maximize); full: offset D+1.
+  offset = stats.dim + 1.0 if model == "full" else 0.0
+  low = [np.asarray(hyper.df, np.float64) - offset]
+  if model == "coupled":
+    low.append(np.asarray(hyper.gamma_shape, np.float64))
+  flags = {"kappa_at_cap": bool(np.any(kappa >= kappa_cap * (1 - tiny))),
+           "at_lower_bound": bool(any(np.any(v <= 1e-3 * (1 + 1e-3)) for v in low))}
+  if model == "coupled":
+    mode, _, converged = _coupled_mode(hyper, stats)
+    flags["mode_search_not_converged"] = not bool(np.all(np.asarray(converged)))
+    flags["mode_clipped"] = bool(np.any(np.abs(np.asarray(mode)) >= coupled.U_BOUND))
+  return flags
 
 
 def _chunk_rows(n: int, chunk_size: int, smallest: int = 32) -> int:
@@ -197,6 +284,28 @@ def _check_within_class(stats, model: str, preprocessed: bool):
           f"{dim} ({cause}). Use {fix}, or model='diag', 'tied' or 'rmds'.")
 
 
+def _identical_classes_as_singletons(stats, model: str):
+  """Fits each class whose N_k > 1 points are all identical as one point (warns).
+
+  Every Gaussian model then treats it the same way: as the de-duplicated singleton class,
+  mean = the point, covariance from the prior (hierarchical models, tied) or the pooled
+  covariance (baselines). Left as N_k points of zero spread, the per-class-covariance
+  models would shrink its covariance by ~1/N_k (independent RMDS, full, diag) or drive its
+  scale to zero (coupled: no ordinary point could then be scored). The DPMM class weight
+  stays N_k (set after the fit). See docs/failure_modes.md.
+  """
+  which = np.asarray(stats_lib.identical_classes(stats))
+  if not which.any():
+    return stats
+  warnings.warn(
+      f"{int(which.sum())} class(es) (first: {validation._listed(np.flatnonzero(which))}) "
+      "have two or more training points that are all identical. The "
+      f"{model} model fits each of them as a single point (its covariance comes from the "
+      "prior or the pooled covariance, as for a one-point class); remove exact duplicates "
+      "to silence this warning.", IdenticalClassWarning, stacklevel=3)
+  return stats_lib.as_singletons(stats, which)
+
+
 def _check_finite_params(det: "Detector"):
   for path, leaf in jax.tree_util.tree_flatten_with_path(det)[0]:
     leaf = np.asarray(leaf)
@@ -237,11 +346,16 @@ def fit_detector_with_info(x, y, model: str = "coupled", *, num_classes=None,
     raw = stats_lib.from_chunks(_transformed_chunks(x, y, None, chunk_size), num_classes,
                                 full=False, chunk_size=chunk_size, dtype=dtype)
     validation.finite_stats(raw)
+    if model not in ("msp", "temp_msp"):
+      raw = stats_lib.as_singletons(raw, stats_lib.identical_classes(raw))
     transform = preprocess_lib.fit(raw, num_components)
   stats = stats_lib.from_chunks(_transformed_chunks(x, y, transform, chunk_size),
                                 num_classes, full=model in _FULL_STATS,
                                 chunk_size=chunk_size, dtype=dtype)
   validation.finite_stats(stats)
+  counts = np.asarray(stats.count)
+  if model not in ("msp", "temp_msp"):
+    stats = _identical_classes_as_singletons(stats, model)
   if model not in ("msp", "temp_msp"):
     _check_within_class(stats, model, preprocess)
   if model == "full" and options.get("df") is not None:
@@ -257,9 +371,15 @@ def fit_detector_with_info(x, y, model: str = "coupled", *, num_classes=None,
     return jnp.concatenate([c for c, _ in _transformed_chunks(x, y, transform, chunk_size)])
 
   params, info = _fit_model(model, stats, transformed_features, y, key, options)
+  if model in DPMM_MODELS:
+    # The class weights N_k of the DP mixture count every training point, duplicates too.
+    params = params._replace(log_counts=jnp.log(jnp.asarray(counts, params.log_counts.dtype)))
   det = Detector(model, num_classes, transform, params)
   _check_finite_params(det)
-  report = FitReport(info, int(stats.dim), np.asarray(stats.count))
+  report = FitReport(info, int(stats.dim), counts, _diagnostics(model, params, stats))
+  for problem in report.problems:
+    warnings.warn(f"Fitting the {model!r} model: {problem}; see FitReport and "
+                  "docs/failure_modes.md.", FitDiagnosticWarning, stacklevel=2)
   if not report.converged:
     warnings.warn(
         f"EM for the {model!r} model stopped at max_iter={report.num_iters} before the "

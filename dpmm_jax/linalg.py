@@ -39,19 +39,28 @@ def whitener(cov, rtol=None):
   return vectors * jnp.sqrt(1.0 / values)[..., None, :]
 
 
-def mahalanobis_sq(x, loc, white):
-  """Squared Mahalanobis distances |(x - loc) W|^2.
+def mahalanobis_sq(x, loc, white, centre=None):
+  """Squared Mahalanobis distances |(x - loc) W|^2, centred before squaring.
+
+  The (M, K) case is expanded into matrix products, |a|^2 - 2 a.b + |b|^2 with a, b the
+  whitened x and locations *after subtracting a common centre* (default: the mean of the
+  locations). Expanding about the origin instead cancels terms of size |x W|^2: with
+  features 1e3-1e4 spreads from the origin, float32 distances are then off by units to
+  hundreds and the nearest class is often wrong. After centring, the terms are of the
+  size of the distances between classes, and the clip at zero only removes round-off.
 
   Args:
     x: (M, D); loc: (K, D) or (D,); white: (D, D) whitener shared by all locations.
+    centre: optional (D,) point subtracted from x and loc before whitening.
   Returns:
     (M, K) (or (M,) for a single location), computed as matrix products.
   """
-  xw = x @ white
   if loc.ndim == 1:
-    d = xw - loc @ white
+    d = (x - loc) @ white
     return jnp.sum(d * d, axis=-1)
-  lw = loc @ white
+  centre = jnp.mean(loc, axis=0) if centre is None else centre
+  xw = (x - centre) @ white
+  lw = (loc - centre) @ white
   return (jnp.sum(xw * xw, -1)[:, None] - 2.0 * xw @ lw.T
           + jnp.sum(lw * lw, -1)[None, :]).clip(min=0.0)
 

@@ -17,6 +17,8 @@ import jax.numpy as jnp
 
 # Largest multiplicative change per iteration (guards against a poor local model).
 _MAX_RATIO = 16.0
+# A step below this relative size that reverses the previous step ends the iteration.
+_BOUNCE_RTOL = 1e-4
 
 
 class NewtonInfo(NamedTuple):
@@ -45,7 +47,7 @@ def maximize(derivatives: Callable, theta0, *, offset=0.0, lower=1e-3, upper=1e6
   x0 = jnp.clip(theta0 - offset, lower, upper)
 
   def body(carry):
-    x, done, at_upper, it = carry
+    x, done, at_upper, it, last_step = carry
     grad, hess = derivatives(x + offset)
     a = -x * x * hess
     b = grad - a / x
@@ -56,15 +58,22 @@ def maximize(derivatives: Callable, theta0, *, offset=0.0, lower=1e-3, upper=1e6
     proposal = jnp.clip(proposal, lower, upper)
     pinned_up = (x >= upper) & (grad > 0)
     pinned_down = (x <= lower) & (grad < 0)
-    small = jnp.abs(proposal - x) <= tol * x
+    step = proposal - x
+    small = jnp.abs(step) <= tol * x
+    # Bouncing: a small step that reverses the previous one. The slope is then rounding
+    # noise (in float32 ~1e-7 of its terms, which moves nu0 by a few 1e-6 relative, more
+    # than tol), and x is as good as the arithmetic allows.
+    bounce = (step * last_step < 0) & (jnp.abs(step) <= _BOUNCE_RTOL * x)
     new_x = jnp.where(done, x, proposal)
-    new_done = done | small | pinned_up | pinned_down
-    return new_x, new_done, jnp.where(done, at_upper, pinned_up), it + 1
+    new_done = done | small | bounce | pinned_up | pinned_down
+    return (new_x, new_done, jnp.where(done, at_upper, pinned_up), it + 1,
+            jnp.where(done, last_step, step))
 
   def cond(carry):
-    _, done, _, it = carry
+    _, done, _, it, _ = carry
     return (it < max_iter) & ~jnp.all(done)
 
-  init = (x0, jnp.zeros(x0.shape, bool), jnp.zeros(x0.shape, bool), jnp.array(0, jnp.int32))
-  x, done, at_upper, it = jax.lax.while_loop(cond, body, init)
+  init = (x0, jnp.zeros(x0.shape, bool), jnp.zeros(x0.shape, bool), jnp.array(0, jnp.int32),
+          jnp.zeros_like(x0))
+  x, done, at_upper, it, _ = jax.lax.while_loop(cond, body, init)
   return x + offset, NewtonInfo(it, done, at_upper)

@@ -51,10 +51,15 @@ def gamma_prior_grid(shape, num_nodes: int) -> Grid:
 
   The density of u peaks at 0 with Laplace width 1/sqrt(shape); its left tail decays
   like exp(shape u) and its right tail doubly exponentially, so the window is
-  [-(8/sqrt(a) + 20/a), log(1 + 40/a) + 4/sqrt(a)] (the neglected mass is < e^-20).
+  [-(8/sqrt(a) + 20/a), log(1 + 40/a) + 8/sqrt(a)]. The neglected prior mass is below
+  e^-20 for a <~ 1; for large a the density is Gaussian to within O(1/sqrt(a)) and each
+  end lies 8 widths out (neglected mass ~ 1e-15; the right end used to lie at 4 widths,
+  1e-5 of the mass, for a >~ 1e3). A test point far out tilts this density towards
+  larger gamma; the coupled model scores such points with a grid centred on the tilted
+  density instead (``coupled.TailTerms``).
   """
   lo = -(8.0 / jnp.sqrt(shape) + 20.0 / shape)
-  hi = jnp.log1p(40.0 / shape) + 4.0 / jnp.sqrt(shape)
+  hi = jnp.log1p(40.0 / shape) + 8.0 / jnp.sqrt(shape)
   t = jnp.linspace(0.0, 1.0, num_nodes, dtype=jnp.result_type(shape, float))
   return Grid(lo + (hi - lo) * t, jnp.log((hi - lo) / (num_nodes - 1)))
 

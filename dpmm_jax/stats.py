@@ -445,3 +445,39 @@ def class_covariances(stats: SufficientStats):
   if stats.scatter is None:
     raise ValueError("class_covariances needs full statistics (computed with full=True).")
   return stats.scatter / jnp.maximum(stats.count, 1.0)[:, None, None]
+
+
+def identical_classes(stats: SufficientStats):
+  """(K,) bool: classes of two or more points that are all identical (to float round-off).
+
+  Such a class has zero scatter. The pooled baselines do not notice, but a model with a
+  per-class covariance reads N_k identical points as N_k observations of a zero variance:
+  the independent RMDS and the NIX/NIW posteriors shrink the class covariance by
+  ~1/N_k, and the coupled model's posterior of the class scale gamma_k runs to its lower
+  bound, after which no ordinary point can be scored. ``as_singletons`` gives every
+  model the same, well-defined answer.
+
+  The test is per dimension: the class's variance is below the round-off of its mean,
+  sq_dev_kd / N_k <= (8 eps |mean_kd|)^2.
+  """
+  eps = jnp.finfo(stats.mean.dtype).eps
+  bound = stats.count[:, None] * (8.0 * eps * jnp.abs(stats.mean)) ** 2
+  return (stats.count > 1) & jnp.all(stats.sq_dev <= bound, axis=-1)
+
+
+def as_singletons(stats: SufficientStats, which) -> SufficientStats:
+  """Statistics in which each class flagged by ``which`` (K,) is one point at its mean.
+
+  A class of N_k identical points then is fitted exactly as the de-duplicated class of
+  one point: its mean is the point, its covariance comes from the prior (hierarchical
+  models) or the pooled covariance (baselines). Its scatter is zero either way; only the
+  count changes (and with it the pooled and total covariances' normaliser N).
+  """
+  which = jnp.asarray(which, bool)
+  count = jnp.where(which, jnp.ones_like(stats.count), stats.count)
+  zero = jnp.zeros_like(stats.sq_dev)
+  sq_dev = jnp.where(which[:, None], zero, stats.sq_dev)
+  scatter = stats.scatter
+  if scatter is not None:
+    scatter = jnp.where(which[:, None, None], jnp.zeros_like(scatter), scatter)
+  return stats._replace(count=count, sq_dev=sq_dev, scatter=scatter)

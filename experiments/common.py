@@ -190,7 +190,9 @@ def evaluate_models(models: Sequence[str], x_train, y_train, x_test, y_test,
                     ood_sets: Mapping[str, Any], *, num_classes: Optional[int] = None,
                     num_components: Optional[int] = None, key=None,
                     progress: Optional[Progress] = None,
-                    raise_errors: bool = True) -> Dict[str, Dict[str, Any]]:
+                    raise_errors: bool = True,
+                    model_options: Optional[Mapping[str, Mapping[str, Any]]] = None,
+                    ) -> Dict[str, Dict[str, Any]]:
   """Fits every model on the training set and scores the ID test and OOD sets.
 
   Args:
@@ -204,6 +206,8 @@ def evaluate_models(models: Sequence[str], x_train, y_train, x_test, y_test,
     progress: a ``Progress`` to advance by one per model.
     raise_errors: re-raise a model's failure; if False, log it and record the message
       under ``"error"`` with NaN metrics.
+    model_options: ``{model: {option: value}}`` passed to that model's fit (e.g.
+      ``{"tied": {"prior_scale": "total"}}`` for the paper's tied model).
 
   Returns:
     ``{model: {"accuracy", "fit_s", "score_s", "converged", "error",
@@ -218,7 +222,7 @@ def evaluate_models(models: Sequence[str], x_train, y_train, x_test, y_test,
       t0 = time.perf_counter()
       det, report = dpmm_jax.fit_detector_with_info(
           x_train, y_train, model, num_classes=num_classes,
-          num_components=num_components, key=key)
+          num_components=num_components, key=key, **(model_options or {}).get(model, {}))
       jax.block_until_ready(det)
       row["fit_s"] = time.perf_counter() - t0
       conv = getattr(report.em, "converged", None)

@@ -33,7 +33,10 @@ def test_demo_table():
   assert "| RMDS |" in res["table"] and "| DPMM tied |" in res["table"]
   for m in ("rmds", "tied"):
     auroc, _ = res["summary"][m]["auroc"]
-    assert 0.0 <= auroc <= 1.0
+    # The summary is the mean of the per-seed AUROCs (one seed here), and the table
+    # shows it.
+    assert auroc == pytest.approx(res["per_seed"][0][m]["ood"]["ood"]["auroc"]), m
+    assert common.fmt_mean_se(*res["summary"][m]["auroc"]) in res["table"], m
 
 
 def test_synthetic_smoke(tmp_path):
@@ -43,11 +46,16 @@ def test_synthetic_smoke(tmp_path):
   # 2 seeds x 3 settings x 4 models, no failures, valid metrics.
   assert len(res["records"]) == 24
   assert not [r for r in res["records"] if r["error"]]
-  for r in res["records"]:
-    assert 0.0 <= r["auroc"] <= 1.0 and 0.0 <= r["fpr95"] <= 1.0
-  # Paired difference of a model to itself is exactly zero.
-  rmds_rows = [r for r in res["summary"] if r["model"] == "rmds"]
-  assert all(r["dauroc_vs_rmds_mean"] == 0.0 for r in rmds_rows)
+  # The summary rows are the means over seeds of the records, and the paired differences
+  # to RMDS are the means of the per-seed differences (recomputed here from the records).
+  runs = {(r["sweep"], r["nu0"], r["nk"], r["model"], r["seed"]): r for r in res["records"]}
+  for row in res["summary"]:
+    key = (row["sweep"], row["nu0"], row["nk"])
+    mine = [runs[key + (row["model"], s)] for s in (0, 1)]
+    ref = [runs[key + ("rmds", s)] for s in (0, 1)]
+    assert row["auroc_mean"] == pytest.approx(np.mean([r["auroc"] for r in mine]))
+    assert row["dauroc_vs_rmds_mean"] == pytest.approx(
+        np.mean([a["auroc"] - b["auroc"] for a, b in zip(mine, ref)]), abs=1e-12)
   for name in ("synthetic.json", "synthetic_runs.csv", "synthetic_summary.csv",
                "synthetic_summary.md", "synthetic_examples.npz"):
     assert os.path.exists(os.path.join(out, name)), name
@@ -137,8 +145,9 @@ def test_dim_sweep_smoke_builtin(tmp_path):
   assert res["config"]["components"] == [2, 8]
   assert len(res["records"]) == 2 * 2 * 3
   assert not [r for r in res["records"] if r["error"]]
-  for r in res["records"]:
-    assert 0 <= r["near_auroc"] <= 1 and 0 <= r["far_auroc"] <= 1
+  # A smoke run at a tiny size (accuracy ~0.3): the metrics exist and are numbers.
+  assert all(np.isfinite(r["near_auroc"]) and np.isfinite(r["far_auroc"])
+             for r in res["records"])
   _png_ok(os.path.join(out, "dim_sweep.png"))
   os.remove(os.path.join(out, "dim_sweep.png"))
   dim_sweep.plot_results(out)
@@ -152,7 +161,7 @@ def test_dim_sweep_smoke_feature_files(tmp_path):
                       models=("rmds", "tied"), seeds=(3, 4))
   assert res["config"]["seeds"] == [3]
   assert {r["num_components"] for r in res["records"]} == {2, 6}
-  assert all(0 <= r["n_auroc"] <= 1 for r in res["records"])
+  assert all(np.isfinite(r["n_auroc"]) for r in res["records"])
 
 
 def test_common_helpers():

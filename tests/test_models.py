@@ -55,15 +55,32 @@ def _np_class_stats(x, y, num_classes):
 
 
 # --------------------------------------------------------------------------- tied
-def test_tied_log_predictive_is_eq2():
+def _np_tied_sigma0(prior_scale, x64, n, mean, sigma):
+  """Sigma0 of the tied model: the total covariance (paper) or the empirical-Bayes
+  between-class scatter less (K/N) Sigma, clipped at 0 in the Sigma-whitened basis (and
+  floored at 100 eps32 of its largest eigenvalue, as the library does)."""
+  if prior_scale == "total":
+    return np.cov(x64.T, bias=True)
+  mu0 = x64.mean(0)
+  between = ((mean - mu0) * (n / n.sum())[:, None]).T @ (mean - mu0)
+  chol = np.linalg.cholesky(sigma)
+  b = np.linalg.solve(chol, np.linalg.solve(chol, between).T).T
+  lam, vec = np.linalg.eigh(0.5 * (b + b.T))
+  lam = np.maximum(lam - len(n) / n.sum(), 0.0)
+  lam = np.maximum(lam, 100 * np.finfo(np.float32).eps * lam.max())
+  return chol @ (vec * lam) @ vec.T @ chol.T
+
+
+@pytest.mark.parametrize("prior_scale", ["empirical_bayes", "total"])
+def test_tied_log_predictive_is_eq2(prior_scale):
   x, y, xt = _data()
-  p = tied.fit(stats_lib.from_labels(x, y, K, full=False))
+  p = tied.fit(stats_lib.from_labels(x, y, K, full=False), prior_scale=prior_scale)
   class_lp, prior_lp = tied.log_predictive(p, xt)
   n, mean, scatter = _np_class_stats(x, y, K)
   x64 = x.astype(np.float64)
   mu0 = x64.mean(0)
-  sigma0 = np.cov(x64.T, bias=True)            # total covariance
   sigma = scatter.sum(0) / len(x)              # pooled within-class covariance
+  sigma0 = _np_tied_sigma0(prior_scale, x64, n, mean, sigma)
   for k in range(K):
     post_cov = np.linalg.inv(np.linalg.inv(sigma0) + n[k] * np.linalg.inv(sigma))
     post_mean = post_cov @ (np.linalg.solve(sigma0, mu0) + n[k] * np.linalg.solve(sigma, mean[k]))
@@ -73,16 +90,21 @@ def test_tied_log_predictive_is_eq2():
   np.testing.assert_allclose(prior_lp, ref0, atol=ATOL, rtol=1e-4)
 
 
-@pytest.mark.parametrize("preprocess_features", [False, True])
-def test_outlier_probability_is_eq1(preprocess_features):
+@pytest.mark.parametrize("preprocess_features,prior_scale",
+                         [(False, "empirical_bayes"), (True, "empirical_bayes"),
+                          (True, "total")])
+def test_outlier_probability_is_eq1(preprocess_features, prior_scale):
   """p(y = K+1 | x) = alpha p(x) / (sum_k N_k p(x | D_k) + alpha p(x)) for the tied
   model, computed from scipy densities in the raw feature space. With preprocessing the
-  densities change by the same Jacobian, which cancels in the ratio."""
+  densities change by the same Jacobian, which cancels in the ratio (and both Sigma0
+  choices are equivariant under the invertible affine preprocessing)."""
   x, y, xt = _data(seed=1)
-  det = dpmm_jax.fit_detector(x, y, "tied", preprocess=preprocess_features)
+  det = dpmm_jax.fit_detector(x, y, "tied", preprocess=preprocess_features,
+                              prior_scale=prior_scale)
   n, mean, scatter = _np_class_stats(x, y, K)
   x64 = x.astype(np.float64)
-  mu0, sigma0, sigma = x64.mean(0), np.cov(x64.T, bias=True), scatter.sum(0) / len(x)
+  mu0, sigma = x64.mean(0), scatter.sum(0) / len(x)
+  sigma0 = _np_tied_sigma0(prior_scale, x64, n, mean, sigma)
   log_terms = []
   for k in range(K):
     post_cov = np.linalg.inv(np.linalg.inv(sigma0) + n[k] * np.linalg.inv(sigma))
@@ -250,7 +272,7 @@ def test_full_model_tends_to_tied_model_as_nu0_grows():
   x, y, xt, spread = _tied_shaped_data()
   num_classes = int(y.max()) + 1
   st = stats_lib.from_labels(x, y, num_classes)
-  tp = tied.fit(st)
+  tp = tied.fit(st, prior_scale="total")   # the hierarchical models' limit: Sigma0/kappa0 = total
   t_class, t_prior = tied.log_predictive(tp, xt)
   t_score = scores_lib.dpmm_score(tp.log_counts, t_class, t_prior)
   kappa0 = 1.0 / (1.0 + spread ** 2)
@@ -283,7 +305,7 @@ def test_diag_model_tends_to_tied_model_in_preprocessed_space():
   t = preprocess.fit(raw)
   z, zt = preprocess.apply(t, x), preprocess.apply(t, xt)
   st = stats_lib.from_labels(z, y, K, full=False)
-  tp = tied.fit(st)
+  tp = tied.fit(st, prior_scale="total")   # the hierarchical models' limit: Sigma0/kappa0 = total
   t_class, t_prior = tied.log_predictive(tp, zt)
   s0 = stats_lib.pooled_variance(st)
   inliers = slice(0, 20)
@@ -310,7 +332,7 @@ def test_full_ranking_approaches_tied_ranking_on_generic_data():
                               kappa0=0.01, num_train_per_class=100)
   xt = np.concatenate([ds.x_test, ds.x_ood])
   st = stats_lib.from_labels(ds.x_train, ds.y_train, 10)
-  tp = tied.fit(st)
+  tp = tied.fit(st, prior_scale="total")   # the hierarchical models' limit: Sigma0/kappa0 = total
   t_score = scores_lib.dpmm_score(tp.log_counts, *tied.log_predictive(tp, xt))
   hyper, _ = full.fit_hyper(st)
   rhos = []

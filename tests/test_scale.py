@@ -355,7 +355,7 @@ def test_benchmark_script_runs_a_tiny_grid(tmp_path):
                      "--chunk-rows", "128", "--score-chunk", "16", "--markdown", str(out)])
   assert len(rows) == 1 and set(rows[0]["models"]) == {"tied", "diag", "coupled", "full"}
   for name, r in rows[0]["models"].items():
-    assert 0.0 <= r["auroc"] <= 1.0 and r["score_s"] > 0, name
+    assert r["auroc"] > 0.5 and r["score_s"] > 0, name      # OOD classes beat chance
   text = out.read_text()
   assert "| 40 | 3 | 6 | 500 |" in text and "| 40 | 3 | 6 | full |" in text
   assert not os.listdir(tmp_path / "data")          # the feature files are removed

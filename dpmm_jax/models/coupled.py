@@ -30,7 +30,8 @@ from dpmm_jax.conjugate import nix
 from dpmm_jax.models import diag
 
 # Mode search in u = log gamma: bounds, step clip, tolerance and cap.
-_U_BOUND = 30.0
+U_BOUND = 30.0
+_U_BOUND = U_BOUND
 _MAX_U_STEP = 2.0
 _MODE_TOL = 1e-6
 _MODE_MAX_ITER = 100
@@ -46,18 +47,24 @@ class Hyper(NamedTuple):
 
 
 class QuadratureOptions(NamedTuple):
-  """Nodes and half-widths (in Laplace standard deviations) of the grids."""
+  """Nodes and half-widths (in Laplace standard deviations) of the grids.
+
+  ``tail_nodes``: per-point grid of a test point that tilts the posterior of gamma_k off
+  the class grid (``TailTerms``); ``norm_nodes``: grid of that path's class normaliser."""
   em_nodes: int = 25
   em_half_width: float = 12.0
   score_nodes: int = 13
   score_half_width: float = 6.0
   prior_nodes: int = 129
+  tail_nodes: int = 24
+  norm_nodes: int = 96
 
 
 class Params(NamedTuple):
   """hyper; class_df, class_loc (K, D); class_scale_sq (K, P, D) predictive squared
   scales per node; class_log_weights (K, P); prior_log_weights (P0,) and prior_gamma
-  (P0,) of the prior grid; log_counts (K,)."""
+  (P0,) of the prior grid; log_counts (K,); class_tail (K, ...) and prior_tail (1, ...)
+  ``TailTerms`` of the per-point path."""
   hyper: Hyper
   class_df: jax.Array
   class_loc: jax.Array
@@ -66,6 +73,8 @@ class Params(NamedTuple):
   prior_log_weights: jax.Array
   prior_gamma: jax.Array
   log_counts: jax.Array
+  class_tail: "TailTerms"
+  prior_tail: "TailTerms"
 
 
 def init_hyper(stats, df=None, mean_concentration=None, gamma_shape=None) -> Hyper:
@@ -93,10 +102,16 @@ def posterior_mode(hyper: Hyper, stats):
   log_r = jnp.log(data)  # -inf where a class has no spread: then q = 1
   alpha = hyper.gamma_shape
 
+  count = stats.count[:, None]
+
   def derivatives(u):
-    q = jax.nn.sigmoid(u[:, None] + log_a - log_r)
-    grad = alpha * (1.0 - jnp.exp(u)) + 0.5 * jnp.sum(hyper.df - nu_post * q, -1)
-    hess = -alpha * jnp.exp(u) - 0.5 * jnp.sum(nu_post * q * (1.0 - q), -1)
+    logit = u[:, None] + log_a - log_r
+    q, p = jax.nn.sigmoid(logit), jax.nn.sigmoid(-logit)           # p = 1 - q, no cancellation
+    # nu0 - nu' q = nu0 p - N q: formed directly it cancels terms of size nu0, which in
+    # float32 is gradient noise of ~0.05 once nu0 reaches its cap (1e6) and keeps the
+    # search from converging.
+    grad = -alpha * jnp.expm1(u) + 0.5 * jnp.sum(hyper.df * p - count * q, -1)
+    hess = -alpha * jnp.exp(u) - 0.5 * jnp.sum(nu_post * q * p, -1)
     return grad, hess
 
   def body(carry):
@@ -197,8 +212,180 @@ def params_from_hyper(hyper: Hyper, stats, options=QuadratureOptions()) -> Param
   prior_grid = quadrature.gamma_prior_grid(hyper.gamma_shape, options.prior_nodes)
   prior_log_w = quadrature.normalized_log_weights(
       prior_grid, quadrature.log_gamma_density_of_log(prior_grid.nodes, hyper.gamma_shape))
+  class_tail, prior_tail = tail_terms(hyper, stats, options)
   return Params(hyper, df[:, 0], loc[:, 0], scale_sq, log_w, prior_log_w,
-                jnp.exp(prior_grid.nodes), jnp.log(stats.count))
+                jnp.exp(prior_grid.nodes), jnp.log(stats.count), class_tail, prior_tail)
+
+
+# ------------------------------------------------------------- per-point (tail) path
+class TailTerms(NamedTuple):
+  """Per-class constants of the integral over u = log gamma_k *given the test point x*.
+
+  The class grid is centred on the posterior of u given D_k. A test point x tilts it by
+  p(x | gamma, D_k): far from the class (3x the spread in D = 256) the tilted mass lies
+  many grid widths to the right and the fixed grid misses tens to hundreds of nats. The
+  exact predictive is
+
+      p(x | D_k) = int p(u | D_k) p(x | u, D_k) du,
+
+  and with t = u - m_k (m_k the class mode), B_d(u) = A_d e^u + R_d (so that
+  nu'_d s'^2_d = B_d: A = nu0 s0^2, R the data part), q_d = A_d e^m / B_d(m),
+  T_d = nu'_d sigma^2_d(m) (predictive scale at the mode) and w_d = (x_d - mu'_d)^2 / T_d,
+  the log integrand is, with nothing large cancelling,
+
+      Phi(t) = const_k + alpha0 t - alpha_em expm1(t)
+               + sum_d [nu0_d/2 t - c_d log1p(q_d expm1(t) + w_d)],
+
+  c = (nu' + 1)/2, alpha_em = alpha0 e^m, const_k = sum_d log St_d(mu'_d | m) - log Z_k,
+  where Z_k = int exp(L(u) - L(m)) du is the same integral with c -> nu'/2 and w = 0
+  (the class posterior's normaliser). Phi is concave (Phi'' < 0 term by term), so a
+  damped Newton iteration finds its mode and a grid of ``tail_nodes`` points around it
+  (Laplace width sigma; window [-(8 sigma + 12 sigma^2), 8 sigma], which covers the
+  exp(a t) left and doubly exponential right tails) integrates it. The prior predictive is
+  the same integral with N = 0 (R = 0, q = 1, m = 0).
+
+  Attributes (leading axis K, or 1 for the prior):
+    loc, inv_scale (1/T), half_df1 (c), q, p (1 - q), half_df0 (nu0/2): (K, D).
+    count1 (N_k + 1 for the class path, N_k for its normaliser: nu' or nu' + 1 less
+    nu0), alpha0, alpha_em, const, width (Laplace sd of u given D_k): (K,).
+  """
+  loc: jax.Array
+  inv_scale: jax.Array
+  half_df1: jax.Array
+  q: jax.Array
+  p: jax.Array
+  half_df0: jax.Array
+  count1: jax.Array
+  alpha0: jax.Array
+  alpha_em: jax.Array
+  const: jax.Array
+  width: jax.Array
+
+
+_TAIL_HALF_WIDTH = 8.0      # right half-width of the per-point window (Laplace sds)
+_TAIL_LEFT_EXTRA = 12.0     # extra left width, times sigma^2 (heavy exp(a t) left tail)
+_TAIL_TOL = 1e-3            # Newton stops when a step is below this many Laplace sds
+_TAIL_MAX_ITER = 60
+# A point is scored on the class grid when its tilt moves the posterior of u by at most
+# _TILT_SHIFT Laplace widths and narrows it to no less than 1/sqrt(_TILT_NARROW) of one
+# (the fixed grids' error then stays below 1e-5 nats); else by the per-point grid.
+_TILT_SHIFT = 1.0
+_TILT_NARROW = 1.8
+
+
+def _tilted_log_integrand(t, terms: TailTerms, w, half_df):
+  """(Phi(t), Phi'(t), Phi''(t)) less const, for t (...), w (..., D) broadcastable.
+
+  half_df is c = nu0/2 + count1/2; the gradient's nu0/2 - c q e^t / den is formed as
+  (nu0 (p + w) - count1 q e^t) / (2 den), which does not cancel terms of size nu0.
+  """
+  e = jnp.exp(t)
+  em1 = jnp.expm1(t)
+  q = terms.q
+  den = 1.0 + q * em1[..., None] + w
+  f = (terms.alpha0 * t - terms.alpha_em * em1
+       + jnp.sum(terms.half_df0 * t[..., None] - half_df * jnp.log1p(q * em1[..., None] + w),
+                 -1))
+  qe = q * e[..., None]
+  count1 = terms.count1[..., None]
+  grad = (terms.alpha0 - terms.alpha_em * e
+          + jnp.sum((terms.half_df0 * (terms.p + w) - 0.5 * count1 * qe) / den, -1))
+  hess = -terms.alpha_em * e - jnp.sum(half_df * qe * (terms.p + w) / (den * den), -1)
+  return f, grad, hess
+
+
+def _laplace_log_integral(terms: TailTerms, w, half_df, num_nodes: int):
+  """log int exp(Phi(t)) dt (less const) by Newton to the mode, then a Laplace grid.
+
+  Args:
+    terms: TailTerms whose fields broadcast against w (..., D) / its leading axes (...).
+    w: (..., D) scaled squared distances (zeros for the normaliser).
+    half_df: (..., D) c or nu'/2.
+  Returns:
+    ((...) log integral, (...) Newton converged).
+  """
+
+  def body(carry):
+    t, _, it = carry
+    _, grad, hess = _tilted_log_integrand(t, terms, w, half_df)
+    step = jnp.clip(-grad / hess, -_MAX_U_STEP, _MAX_U_STEP)
+    new_t = jnp.clip(t + step, -2.0 * _U_BOUND, 2.0 * _U_BOUND)
+    return new_t, jnp.max(jnp.abs(step) * jnp.sqrt(-hess)), it + 1
+
+  def cond(carry):
+    _, change, it = carry
+    return (change > _TAIL_TOL) & (it < _TAIL_MAX_ITER)
+
+  t0 = jnp.zeros_like(w[..., 0])     # keeps w's sharding type in the loop carry
+  t, change, _ = jax.lax.while_loop(
+      cond, body, (t0, jnp.array(jnp.inf, t0.dtype), jnp.array(0, jnp.int32)))
+  _, _, hess = _tilted_log_integrand(t, terms, w, half_df)
+  sigma = 1.0 / jnp.sqrt(-hess)
+  lo = t - (_TAIL_HALF_WIDTH * sigma + _TAIL_LEFT_EXTRA * sigma * sigma)
+  step = (_TAIL_HALF_WIDTH * sigma + t - lo) / (num_nodes - 1)
+
+  def node(i, acc):
+    f, _, _ = _tilted_log_integrand(lo + i * step, terms, w, half_df)
+    return acc.at[..., i].set(f)
+
+  vals = jax.lax.fori_loop(0, num_nodes, node,
+                           jnp.zeros(t.shape + (num_nodes,), t.dtype) + t[..., None] * 0)
+  return jax.nn.logsumexp(vals, -1) + jnp.log(step), change <= _TAIL_TOL
+
+
+def tail_terms(hyper: Hyper, stats, options=QuadratureOptions()):
+  """(class TailTerms (K, ...), prior TailTerms (1, ...)); see ``TailTerms``."""
+  dtype = stats.mean.dtype
+  mode, width, _ = posterior_mode(hyper, stats)
+  data, nu_post = _data_part(hyper, stats)
+  a = hyper.df * hyper.var
+  gamma_m = jnp.exp(mode)
+  q = jax.nn.sigmoid(mode[:, None] + jnp.log(a) - jnp.log(data))
+  _, post = _node_posteriors(hyper, stats, gamma_m[:, None])
+  df, loc, scale_sq = nix.predictive(post)                          # (K, 1, D)
+  df, loc, scale_sq = df[:, 0], loc[:, 0], scale_sq[:, 0]
+  shape = jnp.broadcast_to(hyper.gamma_shape, mode.shape).astype(dtype)
+  half_df0 = jnp.broadcast_to(0.5 * hyper.df, loc.shape)
+  peak = jnp.sum(student_t.t_log_normalizer(df, 1) - 0.5 * jnp.log(scale_sq), -1)
+  p = jax.nn.sigmoid(-(mode[:, None] + jnp.log(a) - jnp.log(data)))
+  base = TailTerms(loc, 1.0 / (df * scale_sq), 0.5 * (df + 1.0), q, p, half_df0,
+                   stats.count + 1.0, shape, shape * gamma_m, jnp.zeros_like(mode), width)
+  log_norm, _ = _laplace_log_integral(base._replace(count1=stats.count), jnp.zeros_like(loc),
+                                      0.5 * nu_post, options.norm_nodes)
+  classes = base._replace(const=peak - log_norm)
+  # Prior: N = 0, so R = 0, q = 1, the mode of u is 0 and Z = exp(-excess(alpha0)).
+  pdf, ploc, pscale = nix.predictive(nix.prior(hyper.loc, hyper.var, hyper.df,
+                                               hyper.mean_concentration))
+  pdf, ploc = jnp.broadcast_arrays(pdf, ploc)
+  pscale = jnp.broadcast_to(pscale, ploc.shape)
+  alpha = jnp.asarray(hyper.gamma_shape, dtype)
+  ppeak = jnp.sum(student_t.t_log_normalizer(pdf, 1) - 0.5 * jnp.log(pscale), -1)
+  prior = TailTerms(ploc[None], 1.0 / (pdf * pscale)[None], 0.5 * (pdf + 1.0)[None],
+                    jnp.ones_like(ploc)[None], jnp.zeros_like(ploc)[None], (0.5 * pdf)[None],
+                    jnp.ones((1,), dtype), alpha[None], alpha[None],
+                    (ppeak + special.log_gamma_normalizer_excess(alpha))[None],
+                    (1.0 / jnp.sqrt(alpha))[None])
+  return classes, prior
+
+
+def _tilt_needs_point_grid(x, t: TailTerms):
+  """(M, kb) True where x tilts the posterior of u off the class grid (see _TILT_*)."""
+  w = (x[:, None, :] - t.loc[None]) ** 2 * t.inv_scale[None]
+  den = 1.0 + w
+  c, q, p = t.half_df1[None], t.q[None], t.p[None]
+  grad = ((t.alpha0 - t.alpha_em)[None]
+          + jnp.sum((t.half_df0[None] * (p + w) - 0.5 * t.count1[None, :, None] * q) / den, -1))
+  hess = -t.alpha_em[None] - jnp.sum(c * q * (p + w) / (den * den), -1)
+  s = t.width[None]
+  return (jnp.abs(grad) * s > _TILT_SHIFT) | (-hess * s * s > _TILT_NARROW)
+
+
+def _tail_block(x, t: TailTerms, num_nodes: int):
+  """(M, kb) log p(x | D_k) by the per-point grid (see TailTerms)."""
+  w = (x[:, None, :] - t.loc[None]) ** 2 * t.inv_scale[None]       # (M, kb, D)
+  per_pair = jax.tree_util.tree_map(lambda leaf: leaf[None], t)
+  log_int, _ = _laplace_log_integral(per_pair, w, t.half_df1[None], num_nodes)
+  return log_int + t.const[None]
 
 
 _fit = em.jit_fit(fit_hyper, params_from_hyper, static_argnames=("max_iter", "options"))
@@ -367,6 +554,15 @@ def _adaptive_block(x, t: MixtureTerms):
                       functools.partial(_series_block, order), x, t)
 
 
+def _block_with_tails(x, terms, num_nodes: int):
+  """(M, kb): ``_adaptive_block`` when no point tilts the block's classes off their grids,
+  else the per-point grid for the block (``TailTerms``)."""
+  mixture, tail = terms
+  far = jnp.any(_tilt_needs_point_grid(x, tail))
+  return jax.lax.cond(far, functools.partial(_tail_block, num_nodes=num_nodes),
+                      lambda xx, tt: _adaptive_block(xx, mixture), x, tail)
+
+
 def scoring_orders(params: Params):
   """(K,) expansion order used to score each class; -1 where the exact P-node sum is used."""
   t = mixture_terms(params.class_df, params.class_loc, params.class_scale_sq,
@@ -393,15 +589,17 @@ def log_predictive(params: Params, x):
   terms = mixture_terms(params.class_df, params.class_loc, params.class_scale_sq,
                         params.class_log_weights)
   order = jnp.argsort(terms.level, stable=True)
-  sorted_terms = jax.tree_util.tree_map(lambda a: a[order], terms)
+  sorted_terms = jax.tree_util.tree_map(lambda a: a[order], (terms, params.class_tail))
   size = max(min(2, num_classes),
              blocks.class_block_size(x.shape[0], num_classes, _SERIES_PAIR_ELEMENTS * dim))
-  sorted_lp = blocks.map_class_blocks(functools.partial(_adaptive_block, x), sorted_terms,
-                                      size)
+  nodes = QuadratureOptions().tail_nodes
+  sorted_lp = blocks.map_class_blocks(
+      functools.partial(_block_with_tails, x, num_nodes=nodes), sorted_terms, size)
   class_lp = sorted_lp[:, jnp.argsort(order)]
   df, loc, scale_sq, log_w = _prior_mixture(params)
   prior_terms = mixture_terms(df[None], loc[None], scale_sq[None], log_w[None])
-  return class_lp, _adaptive_block(x, prior_terms)[:, 0]
+  prior_lp = _block_with_tails(x, (prior_terms, params.prior_tail), nodes)[:, 0]
+  return class_lp, prior_lp
 
 
 def log_predictive_exact(params: Params, x):

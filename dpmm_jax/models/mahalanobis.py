@@ -62,7 +62,7 @@ def fit(stats: stats_lib.SufficientStats, independent: bool = False, pseudo_coun
 def class_distances(params: Params, x):
   """(M, K) squared Mahalanobis distances MD_k(x)."""
   if params.class_white is None:
-    return linalg.mahalanobis_sq(x, params.means, params.within_white)
+    return linalg.mahalanobis_sq(x, params.means, params.within_white, params.loc0)
 
   # (x - m_k) W_k = x W_k - m_k W_k as (M, D) x (D, D) products, both sides centred on
   # the global mean first so that a large common offset does not cancel.
