@@ -27,7 +27,9 @@ per class). With ``extrapolate`` the driver runs cycles of two plain EM steps
 x0 -> x1 = F(x0) -> x2 = F(x1) and then proposes the squared extrapolation
 x' = x0 - 2 a r + a^2 v (r = x1 - x0, v = x2 - 2 x1 + x0, a = -|r| / |v| clipped to
 [-a_max, -1]) in the unconstrained coordinates u = log(x - lower) of the named
-concentrations, clipped to their caps. Like a boundary candidate, the proposal is
+concentrations, clipped to their caps. Each named field gets its own step length a
+(a concentration creeping towards its cap while the others have settled is extrapolated
+at its own rate; one shared a stalled such fits). Like a boundary candidate, the proposal is
 evaluated by the next iteration's EM step (one copy of the step in the compiled loop):
 F(x') is kept when its log marginal likelihood is finite and not lower than L(x2)
 (monotone fallback: otherwise EM resumes from x2 and the trace records a flat step).
@@ -79,7 +81,7 @@ def squarem_proposal(x0, x1, x2, bounds: Dict[str, Tuple[float, float]], step_ma
   """SQUAREM (SqS3) extrapolation from two EM steps x1 = F(x0), x2 = F(x1).
 
   The named fields are mapped to u = log(x - lower) (so every proposal respects the
-  lower limits), extrapolated with one step length for all of them, and clipped to
+  lower limits), extrapolated with one step length per field, and clipped to
   [lower, upper]; the other fields are x2's.
 
   Args:
@@ -87,7 +89,7 @@ def squarem_proposal(x0, x1, x2, bounds: Dict[str, Tuple[float, float]], step_ma
     bounds: {field: (lower, upper)} of the fields to extrapolate (scalars or arrays).
     step_max: () largest |a| (>= 1).
   Returns:
-    (proposal like x2, a_at_max: whether |a| was clipped to step_max).
+    (proposal like x2, a_at_max: whether some field's |a| was clipped to step_max).
   """
   fields = list(bounds)
   tiny = lambda x: jnp.finfo(x.dtype).tiny
@@ -99,18 +101,18 @@ def squarem_proposal(x0, x1, x2, bounds: Dict[str, Tuple[float, float]], step_ma
   u0, u1, u2 = ([to_u(x, f) for f in fields] for x in (x0, x1, x2))
   r = [b - a for a, b in zip(u0, u1)]
   v = [c - 2.0 * b + a for a, b, c in zip(u0, u1, u2)]
-  rr = sum(jnp.sum(jnp.square(t)) for t in r)
-  vv = sum(jnp.sum(jnp.square(t)) for t in v)
-  ratio = jnp.sqrt(rr / jnp.where(vv > 0, vv, 1.0))
-  step = jnp.where(vv > 0, jnp.clip(ratio, 1.0, step_max), 1.0)     # a = -step
-  updates = {}
+  updates, at_max = {}, jnp.array(False)
   for f, a, rf, vf in zip(fields, u0, r, v):
     lower, upper = bounds[f]
+    rr, vv = jnp.sum(jnp.square(rf)), jnp.sum(jnp.square(vf))
+    ratio = jnp.sqrt(rr / jnp.where(vv > 0, vv, 1.0))
+    step = jnp.where(vv > 0, jnp.clip(ratio, 1.0, step_max), 1.0)   # a = -step
+    at_max = at_max | (step >= step_max)
     u = a + 2.0 * step * rf + step * step * vf
     x = lower + jnp.exp(u)
     x = jnp.clip(x, jnp.nextafter(jnp.asarray(lower, x.dtype), jnp.inf), upper)
     updates[f] = jnp.where(jnp.isfinite(x), x, getattr(x2, f))
-  return x2._replace(**updates), step >= step_max
+  return x2._replace(**updates), at_max
 
 
 def run(step: Callable, log_marginal_likelihood: Callable, init_hyper, stats, *,

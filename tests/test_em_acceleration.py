@@ -64,7 +64,9 @@ def test_accelerated_and_plain_em_reach_the_same_optimum(name):
     assert trace[0] == plain_trace[0]
     assert abs(trace[-1] - plain_trace[-1]) <= 10 * TOL * abs(plain_trace[-1]), (
         trace[-1], plain_trace[-1])
-    assert int(acc.num_iters) <= int(plain.num_iters) + 2
+    # (No iteration-count claim here: on problems that plain EM solves in ~10 steps an
+    # evaluated-and-rejected extrapolation can cost a few; the speed-up is tested where
+    # it matters, below.)
 
 
 @pytest.mark.parametrize("name", ["full", "diag"])
@@ -85,10 +87,11 @@ def test_acceleration_converges_where_plain_em_creeps(name):
 
 def test_squarem_proposal_solves_a_linear_fixed_point_map_in_one_cycle():
   """For F linear in u = log(x - lower) with rate lam, x' = x0 - 2 a r + a^2 v with
-  a = -|r|/|v| = -1/(1 - lam) is the fixed point exactly; a is clipped to step_max."""
+  a = -|r|/|v| = -1/(1 - lam) is the fixed point exactly; each field has its own a
+  (rates 0.9 and 0.5 here), clipped to step_max."""
   lower = jnp.array([4.0, 0.0])
   fixed = jnp.log(jnp.array([40.0, 2.5]))                   # u* of the two fields
-  lam = 0.9
+  lam = jnp.array([0.9, 0.5])
 
   def point(u):
     x = lower + jnp.exp(u)
@@ -101,9 +104,11 @@ def test_squarem_proposal_solves_a_linear_fixed_point_map_in_one_cycle():
   x, at_max = em.squarem_proposal(point(u0), point(u1), point(u2), bounds, 100.0)
   np.testing.assert_allclose([x.df, x.mean_concentration], [44.0, 2.5], rtol=1e-4)
   assert not bool(at_max)
-  # Step length 1/(1 - lam) = 10 > step_max = 4: clipped, reported, and short of u*.
+  # df's step length 1/(1 - 0.9) = 10 > step_max = 4: clipped, reported, and short of
+  # u*; kappa0's (2) is not clipped and still exact.
   x, at_max = em.squarem_proposal(point(u0), point(u1), point(u2), bounds, 4.0)
   assert bool(at_max) and float(x.df) < 43.0
+  np.testing.assert_allclose(x.mean_concentration, 2.5, rtol=1e-4)
   # step_max = 1 proposes x2 itself; an upper cap clips the proposal.
   x, _ = em.squarem_proposal(point(u0), point(u1), point(u2), bounds, 1.0)
   np.testing.assert_allclose(x.df, point(u2).df, rtol=1e-5)
