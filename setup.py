@@ -13,7 +13,7 @@ setup(
     # kernels running at once on a 2-core machine deadlock (seen in the full-covariance
     # model at D >= 256). 0.9.2 and releases that build this path out are fine.
     install_requires=["jax>=0.9.2,!=0.10.*", "jaxlib>=0.9.2,!=0.10.*", "optax", "numpy",
-                      "chex", "matplotlib", "absl-py"],
+                      "chex", "matplotlib", "absl-py", "threadpoolctl"],
     extras_require={
         "test": ["pytest", "pytest-xdist", "scipy", "scikit-learn", "hypothesis",
                  "nbclient", "nbformat", "ipykernel"],

@@ -23,7 +23,17 @@ file (--workdir, default a temporary directory; never loaded whole) and read bac
 * compile time apart from run time: the fits are compiled ahead of time
   (``jit(...).lower(...).compile()``) and then run; statistics and scoring are first
   called on one chunk (compilation plus that one chunk) and then timed over all chunks;
-  and the peak resident memory (VmHWM) of the process.
+  and the peak resident memory (VmHWM) of the process;
+* EM before/after acceleration: the same compiled fit run with ``accelerate=False``
+  (plain EM): iterations and seconds of both;
+* end to end through the public API, in a fresh process with the user's environment
+  (not this script's OPENBLAS_NUM_THREADS=1): ``fit_detector`` from the memory-mapped
+  file with the default preprocessing, then ``score``, for rmds, tied, diag, coupled and
+  full, alone and once more with a CPU-bound process running beside it
+  (``--end-to-end``), with the ratio to the component rows and the whole job's time;
+* cold start (K = 100, D = 64, N_k = 50): the first ``fit_detector`` / ``score`` in a
+  fresh process with an empty compilation cache, and in a second process after the
+  first filled it (``--no-cold-start`` skips it).
 
 Speed numbers are wall-clock on whatever else the machine is running: the load average
 before and after each row is printed with it. OPENBLAS_NUM_THREADS defaults to 1 (jaxlib's
@@ -32,13 +42,19 @@ machine); set it yourself to override.
 """
 import os
 
+# The environment the user started us with: the end-to-end and cold-start children get
+# it unchanged (a user's default environment), the component rows run pinned.
+USER_ENV = dict(os.environ)
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import argparse  # pylint: disable=g-import-not-at-top,wrong-import-position
 import collections
 import datetime
 import functools
+import json
 import platform
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -47,7 +63,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, ROOT)
 
 from dpmm_jax import em  # pylint: disable=g-import-not-at-top,wrong-import-position
 from dpmm_jax import metrics
@@ -71,13 +88,23 @@ def timed(fn, *args, **kwargs):
 def compiled_run(jitted, *args, **kwargs):
   """(result, run seconds, compile seconds) of a jitted function: compiled ahead of time
   (trace, lower, compile) and then run, so the two are measured apart exactly."""
+  out, run_s, compile_s, _ = compiled_run_exec(jitted, *args, **kwargs)
+  return out, run_s, compile_s
+
+
+def compiled_run_exec(jitted, *args, **kwargs):
+  """compiled_run, also returning ``rerun(**changes)`` -> (result, seconds): the same
+  executable run again with some dynamic keyword arguments changed."""
   t0 = time.perf_counter()
   executable = jitted.lower(*args, **kwargs).compile()
   compile_s = time.perf_counter() - t0
   # Static arguments are baked into the executable; pass only the array arguments.
   dynamic = {k: v for k, v in kwargs.items() if k not in STATIC_KWARGS}
   out, run_s = timed(executable, *args, **dynamic)
-  return out, run_s, compile_s
+
+  def rerun(*new_args, **changes):
+    return timed(executable, *(new_args or args), **dict(dynamic, **changes))
+  return out, run_s, compile_s, rerun
 
 
 STATIC_KWARGS = ("max_iter", "options")
@@ -204,7 +231,8 @@ def _score_all(log_predictive, params, x, chunk):
   return np.concatenate(out)
 
 
-def run_row(m, k, d, n, workdir, chunk_rows, block_size, score_chunk, peak, log):
+def run_row(m, k, d, n, workdir, chunk_rows, block_size, score_chunk, peak, log,
+            e2e_runs=(False, True)):
   row = collections.OrderedDict(M=m, K=k, D=d, N=n, load_before=load_average())
   gen = Generator(k, d)
   px, py = os.path.join(workdir, f"x_{n}_{d}.npy"), os.path.join(workdir, f"y_{n}_{d}.npy")
@@ -243,18 +271,21 @@ def run_row(m, k, d, n, workdir, chunk_rows, block_size, score_chunk, peak, log)
   for name, module, extra in (("diag", diag, {}),
                               ("coupled", coupled, dict(gamma_shape=None,
                                                         options=coupled.QuadratureOptions()))):
-    (p, info), run, comp = compiled_run(module._fit, st, **em_options, **extra)
+    (p, info), run, comp, rerun = compiled_run_exec(module._fit, st, **em_options, **extra,
+                                                    accelerate=True)
+    (_, plain_info), plain_run = rerun(accelerate=False)    # plain EM, same executable
     iters = int(info.num_iters)
     models[name] = dict(params=p, fit_s=run, fit_compile_s=comp, iters=iters,
                         converged=bool(info.converged), module=module,
-                        per_iter_s=run / max(iters, 1))
+                        per_iter_s=run / max(iters, 1), plain_iters=int(plain_info.num_iters),
+                        plain_converged=bool(plain_info.converged), plain_fit_s=plain_run)
   # full: one-time spectral reduction, O(K D) iterations, predictive factors.
   h0 = full.init_hyper(st)
   summary, w1, c1 = compiled_run(jax.jit(full.spectral_summary), st, h0.loc, h0.mean_cov)
   log_det = full.linalg.chol_log_det(jnp.linalg.cholesky(h0.mean_cov))
 
   @jax.jit
-  def full_em(summary, h0, log_det):
+  def full_em(summary, h0, log_det, accelerate):
     dim, num_classes = d, k
 
     def step(hyper, s):
@@ -264,21 +295,29 @@ def run_row(m, k, d, n, workdir, chunk_rows, block_size, score_chunk, peak, log)
     def lml(hyper, s):
       return jnp.sum(full._spectral_log_marginal(hyper, s, dim, log_det))
 
-    return em.run(step, lml, h0, summary, tol=1e-6, max_iter=100)
+    return em.run(step, lml, h0, summary, tol=1e-6, max_iter=100,
+                  extrapolate=full.extrapolation_bounds(dim), accelerate=accelerate)
 
-  (hyper, info), w2, c2 = compiled_run(full_em, summary, h0, log_det)
+  (hyper, info), w2, c2, rerun = compiled_run_exec(full_em, summary, h0, log_det, True)
+  (_, plain_info), plain_w2 = rerun(summary, h0, log_det, False)
+  del rerun
   del summary
   p, w3, c3 = compiled_run(jax.jit(full.params_from_hyper), hyper, st)
   iters = int(info.num_iters)
   models["full"] = dict(params=p, fit_s=w1 + w2 + w3, fit_compile_s=c1 + c2 + c3,
                         iters=iters, converged=bool(info.converged), module=full,
-                        per_iter_s=w2 / max(iters, 1), reduce_s=w1, predictive_s=w3)
+                        per_iter_s=w2 / max(iters, 1), reduce_s=w1, predictive_s=w3,
+                        plain_iters=int(plain_info.num_iters), em_s=w2,
+                        plain_converged=bool(plain_info.converged), plain_fit_s=plain_w2)
   del st
   row["rss_after_fit_gb"] = rss_gb("VmRSS")
   for name, r in models.items():
     log(f"  fit {name}: {r['fit_s']:.2f} s run + {r['fit_compile_s']:.1f} s compile, "
         f"{r['iters']} iterations" + (f", {r['per_iter_s'] * 1e3:.2f} ms/iteration"
-                                      if "per_iter_s" in r else ""))
+                                      if "per_iter_s" in r else "")
+        + (f"; plain EM {r['plain_iters']} iterations, {r['plain_fit_s']:.2f} s"
+           + ("" if r["plain_converged"] else " (stopped at max_iter)")
+           if "plain_iters" in r else ""))
   log(f"    full: spectral reduction {models['full']['reduce_s']:.1f} s, predictive "
       f"Cholesky factors {models['full']['predictive_s']:.1f} s")
 
@@ -313,12 +352,182 @@ def run_row(m, k, d, n, workdir, chunk_rows, block_size, score_chunk, peak, log)
   for r in models.values():
     del r["params"], r["module"]
   row["models"] = models
+  row["e2e"] = [end_to_end(px, py, x_test, workdir, busy, log) for busy in e2e_runs]
   os.remove(px)
   os.remove(py)
   return row
 
 
+# ------------------------------------------------------- public API, fresh processes
+E2E_MODELS = ("rmds", "tied", "diag", "coupled", "full")
+COLD_MODELS = ("full", "diag", "coupled")
+COLD_PROBLEM = (100, 64, 50)          # K, D, N_k of the cold-start rows
+
+_E2E_CHILD = r"""
+import json, sys, time, warnings
+import numpy as np
+import dpmm_jax
+px, py, pt, models = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4].split(",")
+x, y = np.load(px, mmap_mode="r"), np.load(py, mmap_mode="r")
+xt = np.load(pt, mmap_mode="r")
+k = int(np.max(y)) + 1
+warm = min(len(y), 65536)            # same chunk shapes as the full run
+out = {"models": {}}
+with warnings.catch_warnings():
+  warnings.simplefilter("ignore")
+  t = time.perf_counter()
+  for model in models:              # compile everything on a slice (same shapes)
+    if len(np.unique(y[:warm])) == k:
+      dpmm_jax.score(dpmm_jax.fit_detector(x[:warm], y[:warm], model, num_classes=k), xt[:2048])
+  out["warmup_s"] = time.perf_counter() - t
+  t_job = time.perf_counter()
+  for model in models:
+    t = time.perf_counter()
+    det, rep = dpmm_jax.fit_detector_with_info(x, y, model, num_classes=k)
+    fit_s = time.perf_counter() - t
+    t = time.perf_counter()
+    s = np.asarray(dpmm_jax.score(det, xt))
+    out["models"][model] = dict(fit_s=fit_s, score_s=time.perf_counter() - t,
+                                iters=rep.num_iters, converged=rep.converged)
+  out["job_s"] = time.perf_counter() - t_job
+with open("/proc/self/status") as f:
+  out["peak_rss_gb"] = [int(l.split()[1]) / 2**20 for l in f if l.startswith("VmHWM")][0]
+print("RESULT " + json.dumps(out))
+"""
+
+_COLD_CHILD = r"""
+import json, sys, time
+t0 = time.perf_counter()
+import numpy as np
+import dpmm_jax
+import_s = time.perf_counter() - t0
+k, d, nk, model = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+rng = np.random.default_rng(0)
+means = 3.0 * rng.normal(size=(k, d)).astype(np.float32)
+y = np.repeat(np.arange(k), nk).astype(np.int32)
+x = means[y] + rng.uniform(0.5, 2.0, (k, d)).astype(np.float32)[y] * rng.standard_normal(
+    (len(y), d), dtype=np.float32)
+xt = x[::7] + 0.1
+out = {"import_s": import_s}
+for rep in range(2):
+  t = time.perf_counter(); det = dpmm_jax.fit_detector(x, y, model); out[f"fit{rep}"] = time.perf_counter() - t
+  t = time.perf_counter(); np.asarray(dpmm_jax.score(det, xt)); out[f"score{rep}"] = time.perf_counter() - t
+print("RESULT " + json.dumps(out))
+"""
+
+
+def _child_env(**extra):
+  """The user's own environment (not this script's OPENBLAS_NUM_THREADS=1), plus the
+  repository on the path."""
+  env = dict(USER_ENV)
+  env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+  env.update(extra)
+  return env
+
+
+def _run_child(code, argv, env, busy=False, timeout=3600):
+  hog = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
+  try:
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", code] + [str(a) for a in argv], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    wall = time.perf_counter() - t0
+  finally:
+    if hog is not None:
+      hog.kill()
+      hog.wait()
+  lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+  if not lines:
+    raise RuntimeError(f"child failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+  out = json.loads(lines[-1][len("RESULT "):])
+  out["process_s"] = wall
+  return out
+
+
+def end_to_end(px, py, x_test, workdir, busy, log, models=E2E_MODELS):
+  """fit_detector from the memory-mapped file (default preprocessing) and score, for every
+  model, in a fresh process with the user's environment; after a warm-up on a slice with
+  the same shapes (compilation is reported by the cold-start rows)."""
+  pt = os.path.join(workdir, "x_test.npy")
+  np.save(pt, x_test)
+  out = _run_child(_E2E_CHILD, [px, py, pt, ",".join(models)], _child_env(), busy=busy)
+  os.remove(pt)
+  out["busy"] = busy
+  out["load"] = load_average()
+  log(f"  end-to-end ({'CPU-bound process beside' if busy else 'alone'}): job "
+      f"{out['job_s']:.1f} s (warm-up {out['warmup_s']:.1f} s), peak RSS "
+      f"{out['peak_rss_gb']:.2f} GB; " + ", ".join(
+          f"{m} fit {r['fit_s']:.1f} s ({r['iters']} it) + score {r['score_s']:.1f} s"
+          for m, r in out["models"].items()))
+  return out
+
+
+def cold_start(log, models=COLD_MODELS, problem=COLD_PROBLEM):
+  """First fit_detector / score in a fresh process: with an empty compilation cache
+  (cold), then in a second process with the cache the first one filled (warm)."""
+  k, d, nk = problem
+  rows = []
+  for model in models:
+    cache = tempfile.mkdtemp(prefix="dpmm_cache_")
+    env = _child_env(DPMM_JAX_COMPILATION_CACHE=cache)
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    cold = _run_child(_COLD_CHILD, [k, d, nk, model], env)
+    warm = _run_child(_COLD_CHILD, [k, d, nk, model], env)
+    shutil.rmtree(cache, ignore_errors=True)
+    row = dict(model=model, K=k, D=d, N_k=nk, cold_fit_s=cold["fit0"],
+               cold_score_s=cold["score0"], warm_fit_s=warm["fit0"],
+               warm_score_s=warm["score0"], in_process_fit_s=cold["fit1"],
+               in_process_score_s=cold["score1"], import_s=cold["import_s"],
+               load=load_average())
+    rows.append(row)
+    log(f"  cold start {model}: first fit {row['cold_fit_s']:.1f} s (empty cache), "
+        f"{row['warm_fit_s']:.1f} s (second process, cache filled), "
+        f"{row['in_process_fit_s']:.2f} s (second call); first score "
+        f"{row['cold_score_s']:.1f} / {row['warm_score_s']:.1f} s")
+  return rows
+
+
 # -------------------------------------------------------------------------- reporting
+def markdown_public(rows, cold_rows):
+  """End-to-end and cold-start tables."""
+  lines = []
+  if any(r.get("e2e") for r in rows):
+    lines += ["", "### End to end through the public API (fresh process, user's environment)",
+              "", "`fit_detector` from the memory-mapped .npy with the default preprocessing, "
+              "then `score` of the M test points, every model in one process, after a "
+              "warm-up fit on a 65,536-row slice (same compiled shapes). Component = "
+              "statistics + fit + scoring rows above (pinned OPENBLAS_NUM_THREADS=1, "
+              "full scatter statistics).", "",
+              "| M | K | D | N | beside | model | fit s | score s | EM iters | "
+              "public / component | job s | peak RSS GB | load |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+      for e in r.get("e2e", []):
+        for model, mr in e["models"].items():
+          comp = r["models"].get(model)
+          ratio = "-"
+          if comp:
+            ratio = (f"{(mr['fit_s'] + mr['score_s']) / (r['stats_s'] + comp['fit_s'] + comp['score_s']):.2f}")
+          lines.append(f"| {r['M']} | {r['K']} | {r['D']} | {r['N']} | "
+                       f"{'CPU-bound job' if e['busy'] else 'nothing'} | {model} | "
+                       f"{mr['fit_s']:.2f} | {mr['score_s']:.2f} | {mr['iters']} | {ratio} | "
+                       f"{e['job_s']:.1f} | {e['peak_rss_gb']:.2f} | {e['load']} |")
+  if cold_rows:
+    lines += ["", "### Cold start: first call in a fresh process", "",
+              "First `fit_detector` / `score` in a new process with an empty compilation "
+              "cache (cold), in a second process after the first filled the cache (warm), "
+              "and the second call in the first process (compiled).", "",
+              "| model | K | D | N_k | import s | first fit s cold / warm | second fit s | "
+              "first score s cold / warm | second score s | load |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for c in cold_rows:
+      lines.append(f"| {c['model']} | {c['K']} | {c['D']} | {c['N_k']} | {c['import_s']:.1f} | "
+                   f"{c['cold_fit_s']:.2f} / {c['warm_fit_s']:.2f} | {c['in_process_fit_s']:.3f} | "
+                   f"{c['cold_score_s']:.2f} / {c['warm_score_s']:.2f} | "
+                   f"{c['in_process_score_s']:.3f} | {c['load']} |")
+  return "\n".join(lines) + "\n"
+
+
 def markdown(rows, info, peak):
   lines = [f"Date: {datetime.datetime.now().isoformat(timespec='seconds')}", "",
            "Machine: " + ", ".join(f"{k}={v}" for k, v in info.items()),
@@ -333,9 +542,10 @@ def markdown(rows, info, peak):
                  f"{r['stats_pct_peak']:.0f} | {r['stats_pct_gram']:.0f} | "
                  f"{r['peak_rss_gb']:.2f} | {r['load_before']} / {r['load_after']} |")
   lines += ["", "### EM and scoring per model", "",
-            "| M | K | D | model | EM iters | s / iter | fit s | fit compile s | "
+            "| M | K | D | model | EM iters | plain EM iters | EM s (accelerated / plain) | "
+            "s / iter | fit s | fit compile s | "
             "score s | score compile s | points/s | ns/(m,k,d) | notes | AUROC |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     for name, mr in r["models"].items():
       notes = ""
@@ -345,8 +555,13 @@ def markdown(rows, info, peak):
       elif name == "coupled":
         notes = f"{r['coupled_over_diag']:.1f}x diag; orders {mr['orders']}"
       per_iter = f"{mr['per_iter_s'] * 1e3:.2f} ms" if "per_iter_s" in mr else "-"
+      plain = "-"
+      em_s = "-"
+      if "plain_iters" in mr:
+        plain = f"{mr['plain_iters']}" + ("" if mr["plain_converged"] else " (max_iter)")
+        em_s = f"{mr.get('em_s', mr['fit_s']):.3f} / {mr['plain_fit_s']:.3f}"
       lines.append(f"| {r['M']} | {r['K']} | {r['D']} | {name} | {mr['iters']} | "
-                   f"{per_iter} | {mr['fit_s']:.2f} | {mr['fit_compile_s']:.1f} | "
+                   f"{plain} | {em_s} | {per_iter} | {mr['fit_s']:.2f} | {mr['fit_compile_s']:.1f} | "
                    f"{mr['score_s']:.2f} | {mr['score_compile_s']:.1f} | "
                    f"{mr['points_per_s']:.0f} | {mr['ns_per_element']:.3f} | {notes} | "
                    f"{mr['auroc']:.3f} |")
@@ -366,7 +581,13 @@ def main(argv=None):
   parser.add_argument("--markdown", default=None, help="also write the tables here")
   parser.add_argument("--grid", default=None,
                       help="rows 'M,K,D,N;M,K,D,N' instead of the built-in grid")
+  parser.add_argument("--end-to-end", default="alone,busy",
+                      help="public-API runs per row: 'alone', 'busy' (a CPU-bound process "
+                      "beside), both comma-separated, or 'none'")
+  parser.add_argument("--no-cold-start", action="store_true",
+                      help="skip the cold-start rows (K=100, D=64, N_k=50)")
   args = parser.parse_args(argv)
+  e2e_runs = tuple(v == "busy" for v in args.end_to_end.split(",") if v in ("alone", "busy"))
 
   def log(msg):
     print(msg, flush=True)
@@ -387,9 +608,14 @@ def main(argv=None):
   for m, k, d, n in grid:
     log(f"row M={m} K={k} D={d} N={n} (load {load_average()})")
     rows.append(run_row(m, k, d, n, workdir, args.chunk_rows, args.block_size,
-                        args.score_chunk, peak, log))
+                        args.score_chunk, peak, log, e2e_runs))
     log(f"  peak RSS so far {rows[-1]['peak_rss_gb']:.2f} GB (load {load_average()})")
-  text = markdown(rows, info, peak)
+  cold_rows = []
+  if not args.no_cold_start:
+    log(f"cold start K={COLD_PROBLEM[0]} D={COLD_PROBLEM[1]} N_k={COLD_PROBLEM[2]} "
+        f"(load {load_average()})")
+    cold_rows = cold_start(log)
+  text = markdown(rows, info, peak) + markdown_public(rows, cold_rows)
   print(text)
   if args.markdown:
     with open(args.markdown, "w") as f:

@@ -16,5 +16,6 @@ from dpmm_jax.api import (DPMM_MODELS, MODELS, ConvergenceWarning, Detector, Fit
                           class_scores, fit_detector, fit_detector_with_info,
                           outlier_probability, predict, score)
 from dpmm_jax.serialization import DetectorFileError, load, save
+from dpmm_jax import compilation_cache, threads  # per-user compile cache; BLAS threads
 
 __version__ = "0.1.0"

@@ -19,6 +19,7 @@ import numpy as np
 from dpmm_jax import preprocess as preprocess_lib
 from dpmm_jax import scores as scores_lib
 from dpmm_jax import stats as stats_lib
+from dpmm_jax import threads
 from dpmm_jax import linalg
 from dpmm_jax import validation
 from dpmm_jax.models import coupled, diag, full, linear, mahalanobis, tied
@@ -316,6 +317,7 @@ def _check_finite_params(det: "Detector"):
           "degenerate for it (see docs/failure_modes.md).")
 
 
+@threads.limit_blas
 def fit_detector_with_info(x, y, model: str = "coupled", *, num_classes=None,
                            preprocess: bool = True, num_components=None,
                            chunk_size: int = 65536, key=None, **options):
@@ -386,7 +388,7 @@ def fit_detector_with_info(x, y, model: str = "coupled", *, num_classes=None,
         "relative change of the log marginal likelihood met tol; the detector uses the "
         "last iterate. Raise max_iter, or inspect "
         "fit_detector_with_info(...)[1].em.log_marginal_trace.",
-        ConvergenceWarning, stacklevel=2)
+        ConvergenceWarning, stacklevel=3)  # the caller, past threads.limit_blas
   return det, report
 
 
@@ -479,22 +481,26 @@ def _evaluate(det: Detector, x, chunk_size: int):
   return class_scores_, scores
 
 
+@threads.limit_blas
 def score(det: Detector, x, chunk_size: int = 2048):
   """(M,) OOD score, higher = more in-distribution (the DPMM score C~ for DPMM models)."""
   return _evaluate(det, x, chunk_size)[1]
 
 
+@threads.limit_blas
 def class_scores(det: Detector, x, chunk_size: int = 2048):
   """(M, K) per-class scores (log N_k + log p(x | D_k) for DPMM models; -MD_k for MDS,
   RMD_k for RMDS; logits for MSP heads)."""
   return _evaluate(det, x, chunk_size)[0]
 
 
+@threads.limit_blas
 def predict(det: Detector, x, chunk_size: int = 2048):
   """(M,) predicted class index."""
   return jnp.argmax(class_scores(det, x, chunk_size), axis=-1)
 
 
+@threads.limit_blas
 def outlier_probability(det: Detector, x, alpha: float = 1.0, chunk_size: int = 2048):
   """(M,) p(y = K+1 | x) under the DPMM with concentration ``alpha`` (DPMM models only)."""
   _check_detector(det)

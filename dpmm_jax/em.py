@@ -20,8 +20,27 @@ log marginal likelihood is not lower than the plain iterate's by more than the t
 (otherwise EM resumes from the plain iterate; the trace records a flat step). EM then
 goes on from there: the other hyperparameters are re-estimated, and the Newton
 M-step, which starts at the cap, confirms it (``NewtonInfo.at_upper``).
+
+Acceleration (SQUAREM, Varadhan & Roland 2008, scheme SqS3). Plain EM converges linearly
+and creeps when the fraction of missing information is large (``nu0`` large, few points
+per class). With ``extrapolate`` the driver runs cycles of two plain EM steps
+x0 -> x1 = F(x0) -> x2 = F(x1) and then proposes the squared extrapolation
+x' = x0 - 2 a r + a^2 v (r = x1 - x0, v = x2 - 2 x1 + x0, a = -|r| / |v| clipped to
+[-a_max, -1]) in the unconstrained coordinates u = log(x - lower) of the named
+concentrations, clipped to their caps. Each named field gets its own step length a
+(a concentration creeping towards its cap while the others have settled is extrapolated
+at its own rate; one shared a stalled such fits). Like a boundary candidate, the proposal is
+evaluated by the next iteration's EM step (one copy of the step in the compiled loop):
+F(x') is kept when its log marginal likelihood is finite and not lower than L(x2)
+(monotone fallback: otherwise EM resumes from x2 and the trace records a flat step).
+a_max starts at 1 (the first cycle's proposal is x2 itself), grows 4x when an accepted
+step length reached it and shrinks 4x (not below 1) after a rejection. Convergence is
+tested on plain EM steps only (an extrapolated or flat step never stops the loop), so
+the stopping rule is the same as without acceleration; ``EMInfo.step_kind`` records
+what every iteration was. Every iteration is one EM step and one evaluation of L, so
+``num_iters`` counts the same work with and without acceleration.
 """
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -37,16 +56,70 @@ class EMInfo(NamedTuple):
   num_iters: EM iterations run.
   converged: relative change of the log marginal likelihood fell below tol.
   newton: NewtonInfo of the last M-step (per-element convergence and cap flags).
+  step_kind: (max_iter + 1,) int32, what each iteration was (-1 at index 0 and after
+    the last one run): ``PLAIN_STEP`` (an EM step from the previous iterate; only these
+    can stop the loop), ``EXTRAPOLATED_STEP`` (an EM step from an accepted SQUAREM
+    extrapolation), ``BOUNDARY_STEP`` (from an accepted boundary candidate),
+    ``REJECTED_STEP`` (the proposal lowered L: the plain iterate is kept, a flat step).
   """
   log_marginal_trace: jax.Array
   num_iters: jax.Array
   converged: jax.Array
   newton: Any
+  step_kind: Any = None
+
+
+# EMInfo.step_kind codes.
+PLAIN_STEP, EXTRAPOLATED_STEP, BOUNDARY_STEP, REJECTED_STEP = 0, 1, 2, 3
+# What carry["hyper"] is in run's loop: a plain iterate or a pending proposal.
+_POINT, _EXTRAPOLATION, _BOUNDARY = 0, 1, 2
+# SQUAREM step-length bound: initial value and growth / shrink factor.
+_STEP_MAX0, _STEP_FACTOR = 1.0, 4.0
+
+
+def squarem_proposal(x0, x1, x2, bounds: Dict[str, Tuple[float, float]], step_max):
+  """SQUAREM (SqS3) extrapolation from two EM steps x1 = F(x0), x2 = F(x1).
+
+  The named fields are mapped to u = log(x - lower) (so every proposal respects the
+  lower limits), extrapolated with one step length per field, and clipped to
+  [lower, upper]; the other fields are x2's.
+
+  Args:
+    x0, x1, x2: hyperparameter NamedTuples.
+    bounds: {field: (lower, upper)} of the fields to extrapolate (scalars or arrays).
+    step_max: () largest |a| (>= 1).
+  Returns:
+    (proposal like x2, a_at_max: whether some field's |a| was clipped to step_max).
+  """
+  fields = list(bounds)
+  tiny = lambda x: jnp.finfo(x.dtype).tiny
+
+  def to_u(x, f):
+    v = getattr(x, f) - bounds[f][0]
+    return jnp.log(jnp.maximum(v, tiny(v)))
+
+  u0, u1, u2 = ([to_u(x, f) for f in fields] for x in (x0, x1, x2))
+  r = [b - a for a, b in zip(u0, u1)]
+  v = [c - 2.0 * b + a for a, b, c in zip(u0, u1, u2)]
+  updates, at_max = {}, jnp.array(False)
+  for f, a, rf, vf in zip(fields, u0, r, v):
+    lower, upper = bounds[f]
+    rr, vv = jnp.sum(jnp.square(rf)), jnp.sum(jnp.square(vf))
+    ratio = jnp.sqrt(rr / jnp.where(vv > 0, vv, 1.0))
+    step = jnp.where(vv > 0, jnp.clip(ratio, 1.0, step_max), 1.0)   # a = -step
+    at_max = at_max | (step >= step_max)
+    u = a + 2.0 * step * rf + step * step * vf
+    x = lower + jnp.exp(u)
+    x = jnp.clip(x, jnp.nextafter(jnp.asarray(lower, x.dtype), jnp.inf), upper)
+    updates[f] = jnp.where(jnp.isfinite(x), x, getattr(x2, f))
+  return x2._replace(**updates), at_max
 
 
 def run(step: Callable, log_marginal_likelihood: Callable, init_hyper, stats, *,
         tol: float = 1e-6, max_iter: int = 100, boundary: Optional[Callable] = None,
-        boundary_every: int = 10):
+        boundary_every: int = 10,
+        extrapolate: Optional[Dict[str, Tuple[float, float]]] = None,
+        accelerate=True):
   """Runs EM to a relative tolerance on the log marginal likelihood.
 
   Args:
@@ -54,7 +127,7 @@ def run(step: Callable, log_marginal_likelihood: Callable, init_hyper, stats, *,
     log_marginal_likelihood: (hyper, stats) -> scalar.
     init_hyper: initial hyperparameter pytree.
     stats: SufficientStats.
-    tol: relative tolerance |L_t - L_{t-1}| <= tol * max(1, |L_t|).
+    tol: relative tolerance |L_t - L_{t-1}| <= tol * max(1, |L_t|) on a plain EM step.
     max_iter: iteration cap (static).
     boundary: optional (hyper, stats) -> hyper that moves concentrations whose log
       marginal likelihood still increases at their cap onto the cap (see module
@@ -63,14 +136,20 @@ def run(step: Callable, log_marginal_likelihood: Callable, init_hyper, stats, *,
       trace records the likelihood after an accepted boundary step, and ``converged``
       still means that the last recorded change met ``tol``.
     boundary_every: period (iterations) of the boundary attempts (static).
+    extrapolate: optional {field: (lower, upper)}: the hyperparameter fields SQUAREM
+      extrapolates (see module docstring) with their limits; None: plain EM.
+    accelerate: bool (may be traced): use ``extrapolate``; False gives plain EM from the
+      same compiled program.
   Returns:
     (hyper, EMInfo).
   """
   lml0 = log_marginal_likelihood(init_hyper, stats)
   trace = jnp.full((max_iter + 1,), jnp.nan, lml0.dtype).at[0].set(lml0)
+  kinds = jnp.full((max_iter + 1,), -1, jnp.int32)
   _, newton0 = jax.eval_shape(step, init_hyper, stats)
   newton_init = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), newton0)
   pick = lambda flag, a, b: jax.tree_util.tree_map(lambda u, v: jnp.where(flag, u, v), a, b)
+  enabled = jnp.asarray(accelerate, bool) & (extrapolate is not None)
 
   def small_change(new_lml, lml):
     return jnp.abs(new_lml - lml) <= tol * jnp.maximum(1.0, jnp.abs(new_lml))
@@ -79,44 +158,71 @@ def run(step: Callable, log_marginal_likelihood: Callable, init_hyper, stats, *,
     return (carry["it"] < max_iter) & ~carry["converged"]
 
   def body(carry):
-    # When a boundary candidate is pending, carry["hyper"] is that candidate and this
-    # iteration's step evaluates it; carry["fallback"] holds the plain EM iterate it
-    # competes with. Evaluating it here, instead of with a second step inside the
-    # proposal, keeps one copy of the step in the compiled loop.
-    lml, it, pending = carry["lml"], carry["it"], carry["pending"]
+    # When a proposal (boundary candidate or SQUAREM extrapolation) is pending,
+    # carry["hyper"] is that proposal and this iteration's step evaluates it;
+    # carry["fallback"] holds the plain EM iterate it competes with. Evaluating it here,
+    # instead of with a second step inside the proposal, keeps one copy of the step in
+    # the compiled loop.
+    lml, it, kind = carry["lml"], carry["it"], carry["kind"]
+    pending = kind != _POINT
     new_hyper, newton = step(carry["hyper"], stats)
     new_lml = log_marginal_likelihood(new_hyper, stats)
-    if boundary is None:
-      converged = small_change(new_lml, lml)
-      tried = carry["tried"]
-    else:
-      fb_hyper, fb_newton, fb_small = carry["fallback"]
-      accept = jnp.isfinite(new_lml) & (new_lml >= lml - tol * jnp.maximum(1.0, jnp.abs(lml)))
-      reject = pending & ~accept
-      new_hyper = pick(reject, fb_hyper, new_hyper)
-      newton = pick(reject, fb_newton, newton)
-      new_lml = jnp.where(reject, lml, new_lml)
-      small = jnp.where(reject, fb_small, small_change(new_lml, lml))
+    fb_hyper, fb_newton, fb_small = carry["fallback"]
+    # A boundary candidate may lower L by round-off (tol); an extrapolation may not.
+    slack = jnp.where(kind == _BOUNDARY, tol * jnp.maximum(1.0, jnp.abs(lml)), 0.0)
+    accept = jnp.isfinite(new_lml) & (new_lml >= lml - slack)
+    reject = pending & ~accept
+    new_hyper = pick(reject, fb_hyper, new_hyper)
+    newton = pick(reject, fb_newton, newton)
+    new_lml = jnp.where(reject, lml, new_lml)
+    small = jnp.where(reject, fb_small,
+                      (kind != _EXTRAPOLATION) & small_change(new_lml, lml))
+    step_kind = jnp.where(reject, REJECTED_STEP, jnp.where(
+        kind == _EXTRAPOLATION, EXTRAPOLATED_STEP,
+        jnp.where(kind == _BOUNDARY, BOUNDARY_STEP, PLAIN_STEP)))
+    proposal, new_kind, tried = new_hyper, jnp.array(_POINT, jnp.int32), carry["tried"]
+    moved = jnp.array(False)
+    if boundary is not None:
       attempt = ~pending & ((small & ~carry["tried"]) | ((it + 1) % boundary_every == 0))
       candidate = jax.lax.cond(attempt, lambda h: boundary(h, stats), lambda h: h, new_hyper)
       moved = attempt & jnp.any(jnp.stack([jnp.any(a != b) for a, b in zip(
           jax.tree_util.tree_leaves(candidate), jax.tree_util.tree_leaves(new_hyper))]))
-      tried = carry["tried"] | (attempt & small)
-      converged = small & ~moved
-      carry = dict(carry, fallback=(new_hyper, newton, small), pending=moved)
-      new_hyper = candidate
-    return dict(carry, hyper=new_hyper, lml=new_lml, trace=carry["trace"].at[it + 1].set(new_lml),
+      tried = tried | (attempt & small)
+      proposal = pick(moved, candidate, proposal)
+      new_kind = jnp.where(moved, _BOUNDARY, new_kind)
+    step_max = carry["step_max"]
+    if extrapolate is not None:
+      # Two plain steps in a row (prev -> hyper -> new_hyper): propose the extrapolation.
+      extrap = enabled & ~pending & carry["chain"] & ~small & ~moved
+      squared, at_max = squarem_proposal(carry["prev"], carry["hyper"], new_hyper,
+                                         extrapolate, step_max)
+      proposal = pick(extrap, squared, proposal)
+      new_kind = jnp.where(extrap, _EXTRAPOLATION, new_kind)
+      was_extrap = kind == _EXTRAPOLATION
+      step_max = jnp.where(was_extrap & reject,
+                           jnp.maximum(_STEP_MAX0, step_max / _STEP_FACTOR),
+                           jnp.where(was_extrap & accept & carry["at_max"],
+                                     step_max * _STEP_FACTOR, step_max))
+      carry = dict(carry, at_max=jnp.where(extrap, at_max, carry["at_max"]))
+    converged = small & ~moved
+    carry = dict(carry, fallback=(new_hyper, newton, small), prev=carry["hyper"],
+                 chain=~pending, step_max=step_max, kind=new_kind,
+                 kinds=carry["kinds"].at[it + 1].set(step_kind))
+    return dict(carry, hyper=proposal, lml=new_lml, trace=carry["trace"].at[it + 1].set(new_lml),
                 it=it + 1, converged=converged, newton=newton, tried=tried)
 
-  init = dict(hyper=init_hyper, lml=lml0, trace=trace, it=jnp.array(0, jnp.int32),
+  init = dict(hyper=init_hyper, lml=lml0, trace=trace, kinds=kinds, it=jnp.array(0, jnp.int32),
               converged=jnp.array(False), newton=newton_init, tried=jnp.array(False),
-              pending=jnp.array(False), fallback=(init_hyper, newton_init, jnp.array(False)))
+              kind=jnp.array(_POINT, jnp.int32),
+              fallback=(init_hyper, newton_init, jnp.array(False)), prev=init_hyper,
+              chain=jnp.array(False), step_max=jnp.asarray(_STEP_MAX0, lml0.dtype),
+              at_max=jnp.array(False))
   out = jax.lax.while_loop(cond, body, init)
-  # A candidate still pending when max_iter is reached was never evaluated: keep the
+  # A proposal still pending when max_iter is reached was never evaluated: keep the
   # plain iterate whose likelihood the trace records.
-  hyper = pick(out["pending"], out["fallback"][0], out["hyper"])
+  hyper = pick(out["kind"] != _POINT, out["fallback"][0], out["hyper"])
   newton = out["newton"]
-  return hyper, EMInfo(out["trace"], out["it"], out["converged"], newton)
+  return hyper, EMInfo(out["trace"], out["it"], out["converged"], newton, out["kinds"])
 
 
 def propose_caps(step: Callable, hyper, stats, caps):

@@ -11,13 +11,13 @@ if [ -z "${DPMM_JAX_TEST_CACHE:-}" ]; then
   trap 'rm -rf "$DPMM_JAX_TEST_CACHE"' EXIT
 fi
 export DPMM_JAX_TEST_CACHE
-python -m pytest tests --ignore-glob='*_f64.py' --ignore-glob='*_multidevice.py' -q -n "$workers" --dist worksteal "$@"
+python -m pytest tests --ignore-glob='*_f64.py' --ignore-glob='*_multidevice.py' -q -n "$workers" --dist worksteal --durations=15 "$@"
 shopt -s nullglob
 f64=(tests/*_f64.py)
 if [ ${#f64[@]} -gt 0 ]; then
-  python -m pytest "${f64[@]}" -q -n "$workers" --dist worksteal "$@"
+  python -m pytest "${f64[@]}" -q -n "$workers" --dist worksteal --durations=15 "$@"
 fi
 multi=(tests/*_multidevice.py)
 if [ ${#multi[@]} -gt 0 ]; then
-  XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m pytest "${multi[@]}" -q "$@"
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m pytest "${multi[@]}" -q --durations=15 "$@"
 fi

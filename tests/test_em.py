@@ -44,10 +44,23 @@ def _check_trace(info, tol, max_iter):
   assert np.all(np.isnan(trace[n + 1:])), trace
   steps = np.diff(trace[:n + 1])
   assert np.all(steps >= -REL_SLACK * np.abs(trace[1:n + 1])), steps
+  kinds = np.asarray(info.step_kind)
+  assert kinds.shape == (max_iter + 1,) and kinds[0] == -1 and np.all(kinds[n + 1:] == -1)
+  kinds = kinds[1:n + 1]
+  assert np.all(np.isin(kinds, [em.PLAIN_STEP, em.EXTRAPOLATED_STEP, em.BOUNDARY_STEP,
+                                em.REJECTED_STEP])), kinds
+  # The SQUAREM safeguard is exact: an accepted extrapolation never lowers L, and a
+  # rejected one keeps the plain iterate (a flat step).
+  assert np.all(steps[kinds == em.EXTRAPOLATED_STEP] >= 0), steps
+  assert np.all(steps[kinds == em.REJECTED_STEP] == 0), steps
   small = np.abs(steps) <= tol * np.maximum(1.0, np.abs(trace[1:n + 1]))
-  # EM stops at the first small step: no earlier step met the criterion.
-  assert not np.any(small[:-1]), steps
-  assert bool(info.converged) == bool(small[-1])
+  plain = kinds == em.PLAIN_STEP
+  # EM stops at the first small plain step, unless a boundary candidate was proposed
+  # there (evaluated by the next step: a boundary or a rejected step).
+  early = np.flatnonzero((small & plain)[:-1])
+  assert np.all(np.isin(kinds[early + 1], [em.BOUNDARY_STEP, em.REJECTED_STEP])), (
+      steps, kinds)
+  assert bool(info.converged) == bool(small[-1] & (kinds[-1] != em.EXTRAPOLATED_STEP))
   if not bool(info.converged):
     assert n == max_iter
   return trace[:n + 1]

@@ -195,13 +195,19 @@ def tied_limit(hyper: Hyper, stats, *, df_cap=1e6, shape_cap=1e6,
                                               "gamma_shape": (shape_cap, False)})
 
 
+def extrapolation_bounds(df_cap=1e6, shape_cap=1e6):
+  """{field: (lower, upper)} of the concentrations SQUAREM extrapolates (``em.run``)."""
+  return dict(diag.extrapolation_bounds(df_cap), gamma_shape=(0.0, shape_cap))
+
+
 def fit_hyper(stats, *, df=None, mean_concentration=None, gamma_shape=None, tol=1e-6,
-              max_iter=100, df_cap=1e6, options=QuadratureOptions()):
+              max_iter=100, df_cap=1e6, options=QuadratureOptions(), accelerate=True):
   step = functools.partial(em_step, df_cap=df_cap, options=options)
   lml = functools.partial(log_marginal_likelihood, options=options)
   return em.run(step, lml, init_hyper(stats, df, mean_concentration, gamma_shape), stats,
                 tol=tol, max_iter=max_iter,
-                boundary=functools.partial(tied_limit, df_cap=df_cap, options=options))
+                boundary=functools.partial(tied_limit, df_cap=df_cap, options=options),
+                extrapolate=extrapolation_bounds(df_cap), accelerate=accelerate)
 
 
 def params_from_hyper(hyper: Hyper, stats, options=QuadratureOptions()) -> Params:
@@ -392,14 +398,16 @@ _fit = em.jit_fit(fit_hyper, params_from_hyper, static_argnames=("max_iter", "op
 
 
 def fit(stats, *, df=None, mean_concentration=None, gamma_shape=None, tol=1e-6,
-        max_iter=100, df_cap=1e6, options=QuadratureOptions()):
-  """Fits by EM (one compilation per shape and options): (Params, EMInfo)."""
+        max_iter=100, df_cap=1e6, options=QuadratureOptions(), accelerate=True):
+  """Fits by EM (one compilation per shape and options): (Params, EMInfo). ``accelerate``:
+  SQUAREM-accelerated EM (default) or plain EM (False), from the same compiled fit."""
   checks.em_options(tol, max_iter)
   checks.positive_or_none(df, "df")
   checks.positive_or_none(mean_concentration, "mean_concentration")
   checks.positive_or_none(gamma_shape, "gamma_shape")
   return _fit(stats, df=df, mean_concentration=mean_concentration, gamma_shape=gamma_shape,
-              tol=tol, max_iter=max_iter, df_cap=df_cap, options=options)
+              tol=tol, max_iter=max_iter, df_cap=df_cap, options=options,
+              accelerate=accelerate)
 
 
 def scale_mixture_log_density(x, df, loc, scale_sq, log_weights):

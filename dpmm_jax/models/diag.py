@@ -104,12 +104,18 @@ def tied_limit(hyper: Hyper, stats, *, df_cap=1e6, kappa_cap=KAPPA_CAP) -> Hyper
                          {"df": (df_cap, False), "mean_concentration": (kappa_cap, True)})
 
 
+def extrapolation_bounds(df_cap=1e6):
+  """{field: (lower, upper)} of the concentrations SQUAREM extrapolates (``em.run``)."""
+  return {"df": (0.0, df_cap), "mean_concentration": (0.0, KAPPA_CAP)}
+
+
 def fit_hyper(stats, *, df=None, mean_concentration=None, tol=1e-6, max_iter=100,
-              df_cap=1e6):
+              df_cap=1e6, accelerate=True):
   step = functools.partial(em_step, df_cap=df_cap)
   return em.run(step, log_marginal_likelihood, init_hyper(stats, df, mean_concentration),
                 stats, tol=tol, max_iter=max_iter,
-                boundary=functools.partial(tied_limit, df_cap=df_cap))
+                boundary=functools.partial(tied_limit, df_cap=df_cap),
+                extrapolate=extrapolation_bounds(df_cap), accelerate=accelerate)
 
 
 def params_from_hyper(hyper: Hyper, stats) -> Params:
@@ -120,13 +126,15 @@ def params_from_hyper(hyper: Hyper, stats) -> Params:
 _fit = em.jit_fit(fit_hyper, params_from_hyper)
 
 
-def fit(stats, *, df=None, mean_concentration=None, tol=1e-6, max_iter=100, df_cap=1e6):
-  """Fits by EM (one compilation per shape): (Params, EMInfo)."""
+def fit(stats, *, df=None, mean_concentration=None, tol=1e-6, max_iter=100, df_cap=1e6,
+        accelerate=True):
+  """Fits by EM (one compilation per shape): (Params, EMInfo). ``accelerate``:
+  SQUAREM-accelerated EM (default) or plain EM (False), from the same compiled fit."""
   checks.em_options(tol, max_iter)
   checks.positive_or_none(df, "df")
   checks.positive_or_none(mean_concentration, "mean_concentration")
   return _fit(stats, df=df, mean_concentration=mean_concentration, tol=tol,
-              max_iter=max_iter, df_cap=df_cap)
+              max_iter=max_iter, df_cap=df_cap, accelerate=accelerate)
 
 
 def product_t_block(x, per_class):

@@ -264,12 +264,18 @@ def _spectral_log_marginal(hyper: Hyper, summary: SpectralSummary, dim: int,
           - 0.5 * nu0 * log_det_ratio - 0.5 * n * dim * _LOG_2PI)
 
 
+def extrapolation_bounds(dim: int, df_cap=1e6):
+  """{field: (lower, upper)} of the concentrations SQUAREM extrapolates (``em.run``)."""
+  return {"df": (dim + 1.0, dim + 1.0 + df_cap), "mean_concentration": (0.0, KAPPA_CAP)}
+
+
 def fit_hyper(stats, *, df=None, mean_concentration=None, tol=1e-6, max_iter=100,
-              df_cap=1e6):
+              df_cap=1e6, accelerate=True):
   """Runs EM from the paper's initialisation; returns (Hyper, EMInfo).
 
   The statistics are reduced once by ``spectral_summary`` (O(K D^3), in class blocks);
   each EM iteration then costs O(K D) and gives the same iterates as ``em_step``.
+  ``accelerate`` (default True; may be traced) turns on SQUAREM in ``em.run``.
   """
   init = init_hyper(stats, df, mean_concentration)
   dim, num_classes = stats.dim, stats.num_classes
@@ -290,7 +296,8 @@ def fit_hyper(stats, *, df=None, mean_concentration=None, tol=1e-6, max_iter=100
     return em.propose_caps(step, hyper, summary_, {"df": (dim + 1.0 + df_cap, False),
                                                    "mean_concentration": (KAPPA_CAP, True)})
 
-  return em.run(step, lml, init, summary, tol=tol, max_iter=max_iter, boundary=tied_limit)
+  return em.run(step, lml, init, summary, tol=tol, max_iter=max_iter, boundary=tied_limit,
+                extrapolate=extrapolation_bounds(dim, df_cap), accelerate=accelerate)
 
 
 def params_from_hyper(hyper: Hyper, stats) -> Params:
@@ -309,8 +316,11 @@ def params_from_hyper(hyper: Hyper, stats) -> Params:
 _fit = em.jit_fit(fit_hyper, params_from_hyper)
 
 
-def fit(stats, *, df=None, mean_concentration=None, tol=1e-6, max_iter=100, df_cap=1e6):
+def fit(stats, *, df=None, mean_concentration=None, tol=1e-6, max_iter=100, df_cap=1e6,
+        accelerate=True):
   """Fits hyperparameters by EM and precomputes the predictives: (Params, EMInfo).
+
+  ``accelerate``: SQUAREM-accelerated EM (default) or plain EM (False); same compiled fit.
 
   Raises:
     ValueError: missing full statistics, or an initial df <= D + 1 (the NIW prior with
@@ -324,7 +334,7 @@ def fit(stats, *, df=None, mean_concentration=None, tol=1e-6, max_iter=100, df_c
                      f"prior with E[Sigma] = Sigma0; got {df}.")
   checks.positive_or_none(mean_concentration, "mean_concentration")
   return _fit(stats, df=df, mean_concentration=mean_concentration, tol=tol,
-              max_iter=max_iter, df_cap=df_cap)
+              max_iter=max_iter, df_cap=df_cap, accelerate=accelerate)
 
 
 # ---------------------------------------------------------------------------- scoring

@@ -1,0 +1,119 @@
+"""SQUAREM-accelerated EM (em.run with ``extrapolate``) against plain EM.
+
+The problems share test_em.py's shapes (K = 20, D = 3), and ``accelerate`` is a traced
+flag, so plain and accelerated EM run from the same compiled fit.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dpmm_jax import em
+from dpmm_jax import stats as stats_lib
+from dpmm_jax import synthetic
+from dpmm_jax.models import coupled, diag, full
+
+MODELS = {"full": full, "diag": diag, "coupled": coupled}
+K, D = 20, 3
+TOL = 1e-7
+
+
+@functools.lru_cache(maxsize=None)
+def _stats(seed, nu0, per_class, full_stats):
+  ds = synthetic.make_dataset(jax.random.PRNGKey(seed), num_classes=K, dim=D, nu0=nu0,
+                              num_train_per_class=per_class)
+  return stats_lib.from_labels(ds.x_train, ds.y_train, K, full=full_stats)
+
+
+def _checked(info, max_iter=100):
+  """(trace, kinds) up to the last iteration, with the safeguard's invariants checked."""
+  n = int(info.num_iters)
+  trace = np.asarray(info.log_marginal_trace, np.float64)[:n + 1]
+  kinds = np.asarray(info.step_kind)[1:n + 1]
+  assert np.all(np.isfinite(trace)) and 1 <= n <= max_iter
+  steps = np.diff(trace)
+  # Extrapolations are kept only when L does not decrease (compared exactly, in the
+  # same float32 values the trace holds); a rejection is an exactly flat step.
+  assert np.all(steps[kinds == em.EXTRAPOLATED_STEP] >= 0.0), (steps, kinds)
+  assert np.all(steps[kinds == em.REJECTED_STEP] == 0.0), (steps, kinds)
+  # Plain EM steps are monotone up to float32 round-off of L (see test_em.py).
+  assert np.all(steps >= -1e-5 * np.abs(trace[1:])), steps
+  if bool(info.converged):   # the stopping rule is applied to plain steps only
+    assert kinds[-1] != em.EXTRAPOLATED_STEP
+    assert abs(steps[-1]) <= TOL * max(1.0, abs(trace[-1]))
+  return trace, kinds
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_accelerated_and_plain_em_reach_the_same_optimum(name):
+  module = MODELS[name]
+  for seed in (0, 1):
+    st = _stats(seed, 6.0, 20, name == "full")
+    _, plain = module.fit(st, tol=TOL, accelerate=False)
+    _, acc = module.fit(st, tol=TOL)                       # accelerated by default
+    plain_trace, plain_kinds = _checked(plain)
+    trace, kinds = _checked(acc)
+    assert bool(plain.converged) and bool(acc.converged)
+    assert np.all(plain_kinds == em.PLAIN_STEP)
+    assert np.sum(kinds == em.EXTRAPOLATED_STEP) >= 1, kinds   # it did extrapolate
+    # Same starting point; both stop when an EM step changes L by <= tol |L|. On these
+    # well-conditioned problems EM contracts fast, so the stopping points agree with
+    # each other to a few times the tolerance.
+    assert trace[0] == plain_trace[0]
+    assert abs(trace[-1] - plain_trace[-1]) <= 10 * TOL * abs(plain_trace[-1]), (
+        trace[-1], plain_trace[-1])
+    # (No iteration-count claim here: on problems that plain EM solves in ~10 steps an
+    # evaluated-and-rejected extrapolation can cost a few; the speed-up is tested where
+    # it matters, below.)
+
+
+@pytest.mark.parametrize("name", ["full", "diag"])
+def test_acceleration_converges_where_plain_em_creeps(name):
+  """nu0 = 300 with N_k = 5: the missing information is large and plain EM moves nu0 by
+  a small fraction of the distance per iteration; it stops at max_iter (full) or creeps
+  on. Accelerated EM converges in well under max_iter at a likelihood no lower."""
+  module = MODELS[name]
+  st = _stats(0, 300.0, 5, name == "full")
+  _, plain = module.fit(st, tol=TOL, accelerate=False)
+  _, acc = module.fit(st, tol=TOL)
+  plain_trace, _ = _checked(plain)
+  trace, _ = _checked(acc)
+  assert int(plain.num_iters) >= 90, int(plain.num_iters)
+  assert bool(acc.converged) and int(acc.num_iters) <= 50, int(acc.num_iters)
+  assert trace[-1] >= plain_trace[-1] - 1e-6 * abs(plain_trace[-1])
+
+
+def test_squarem_proposal_solves_a_linear_fixed_point_map_in_one_cycle():
+  """For F linear in u = log(x - lower) with rate lam, x' = x0 - 2 a r + a^2 v with
+  a = -|r|/|v| = -1/(1 - lam) is the fixed point exactly; each field has its own a
+  (rates 0.9 and 0.5 here), clipped to step_max."""
+  lower = jnp.array([4.0, 0.0])
+  fixed = jnp.log(jnp.array([40.0, 2.5]))                   # u* of the two fields
+  lam = jnp.array([0.9, 0.5])
+
+  def point(u):
+    x = lower + jnp.exp(u)
+    return full.Hyper(jnp.zeros(2), jnp.eye(2), x[0], x[1])
+
+  u0 = jnp.log(jnp.array([1.0, 0.1]))
+  u1 = fixed + lam * (u0 - fixed)
+  u2 = fixed + lam * (u1 - fixed)
+  bounds = {"df": (4.0, 1e6), "mean_concentration": (0.0, 1e6)}
+  x, at_max = em.squarem_proposal(point(u0), point(u1), point(u2), bounds, 100.0)
+  np.testing.assert_allclose([x.df, x.mean_concentration], [44.0, 2.5], rtol=1e-4)
+  assert not bool(at_max)
+  # df's step length 1/(1 - 0.9) = 10 > step_max = 4: clipped, reported, and short of
+  # u*; kappa0's (2) is not clipped and still exact.
+  x, at_max = em.squarem_proposal(point(u0), point(u1), point(u2), bounds, 4.0)
+  assert bool(at_max) and float(x.df) < 43.0
+  np.testing.assert_allclose(x.mean_concentration, 2.5, rtol=1e-4)
+  # step_max = 1 proposes x2 itself; an upper cap clips the proposal.
+  x, _ = em.squarem_proposal(point(u0), point(u1), point(u2), bounds, 1.0)
+  np.testing.assert_allclose(x.df, point(u2).df, rtol=1e-5)
+  capped = {"df": (4.0, 20.0), "mean_concentration": (0.0, 1e6)}
+  x, _ = em.squarem_proposal(point(u0), point(u1), point(u2), capped, 100.0)
+  assert float(x.df) == 20.0
+  # Unnamed fields are x2's.
+  np.testing.assert_array_equal(x.mean_cov, point(u2).mean_cov)

@@ -1,0 +1,118 @@
+"""What the library does to BLAS thread pools and to jax's compilation cache."""
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from threadpoolctl import threadpool_info
+
+import dpmm_jax
+from dpmm_jax import compilation_cache, threads
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+
+
+def _blas_threads():
+  return sorted((i["filepath"], i["num_threads"]) for i in threadpool_info()
+                if i["user_api"] == "blas")
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+  for var in threads.USER_ENV_VARS + (threads.ENV_VAR,):
+    monkeypatch.delenv(var, raising=False)
+  monkeypatch.setattr(threads, "_override", [threads._UNSET])
+  return monkeypatch
+
+
+def test_thread_limit_follows_the_environment(clean_env):
+  assert threads.blas_threads() == 1
+  clean_env.setenv("OPENBLAS_NUM_THREADS", "2")      # the user's own choice is respected
+  assert threads.blas_threads() is None
+  clean_env.setenv(threads.ENV_VAR, "3")             # ours overrides theirs
+  assert threads.blas_threads() == 3
+  clean_env.setenv(threads.ENV_VAR, "keep")
+  assert threads.blas_threads() is None
+  clean_env.setenv(threads.ENV_VAR, "many")
+  with pytest.raises(ValueError, match=threads.ENV_VAR):
+    threads.blas_threads()
+  threads.set_blas_threads(2)
+  assert threads.blas_threads() == 2
+  threads.set_blas_threads(None)
+  assert threads.blas_threads() is None
+  with pytest.raises(ValueError, match="num_threads"):
+    threads.set_blas_threads(0)
+
+
+def test_limited_sets_one_thread_and_restores_the_callers_setting(clean_env):
+  del clean_env
+  threads._get_controller()             # loads scipy's OpenBLAS (jaxlib's LAPACK)
+  before = _blas_threads()
+  assert any("scipy_openblas" in path for path, _ in before), before
+  with threads.limited():
+    inside = _blas_threads()
+    with threads.limited():             # re-entrant: the inner exit restores nothing
+      pass
+    assert _blas_threads() == inside
+  assert all(n == 1 for _, n in inside), inside
+  assert _blas_threads() == before
+
+
+def test_public_api_leaves_the_pools_as_it_found_them(clean_env):
+  del clean_env
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(60, 3)).astype(np.float32) + np.repeat(np.eye(3) * 4, 20, 0)
+  y = np.repeat(np.arange(3), 20)
+  before = _blas_threads()
+  seen = []
+  orig = threads._get_controller().limit
+
+  def spy(**kwargs):                    # the limit is applied while the API runs
+    seen.append(kwargs)
+    return orig(**kwargs)
+
+  threads._get_controller().limit = spy
+  try:
+    det = dpmm_jax.fit_detector(x, y, "tied")
+    s = dpmm_jax.score(det, x)
+  finally:
+    del threads._get_controller().limit
+  assert np.all(np.isfinite(np.asarray(s)))
+  assert seen and all(k == {"limits": 1, "user_api": "blas"} for k in seen), seen
+  assert _blas_threads() == before
+
+
+def _child(env_update, code):
+  env = {k: v for k, v in os.environ.items()
+         if k not in ("JAX_COMPILATION_CACHE_DIR", compilation_cache.ENV_VAR)}
+  env.update(env_update)
+  env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+  out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                       text=True, timeout=300, check=True)
+  return out.stdout.strip().splitlines()[-1]
+
+
+def test_compilation_cache_per_user_by_default_user_setting_wins_opt_out(tmp_path):
+  code = ("import jax, dpmm_jax; print(jax.config.jax_compilation_cache_dir, "
+          "dpmm_jax.compilation_cache.enabled_dir())")
+  xdg = str(tmp_path / "xdg")
+  want = os.path.join(xdg, "dpmm_jax", "jax_cache")
+  assert _child({"XDG_CACHE_HOME": xdg}, code) == f"{want} {want}"
+  assert os.path.isdir(want)
+  mine = str(tmp_path / "mine")
+  assert _child({"XDG_CACHE_HOME": xdg, "JAX_COMPILATION_CACHE_DIR": mine},
+                code) == f"{mine} None"
+  assert _child({"XDG_CACHE_HOME": xdg, compilation_cache.ENV_VAR: "0"},
+                code) == "None None"
+  there = str(tmp_path / "there")
+  assert _child({compilation_cache.ENV_VAR: there}, code) == f"{there} {there}"
+
+
+def test_the_test_suites_cache_setting_wins():
+  if os.environ.get("DPMM_JAX_TEST_CACHE"):
+    assert jax.config.jax_compilation_cache_dir == os.environ["DPMM_JAX_TEST_CACHE"]
+    assert compilation_cache.enabled_dir() is None
+  else:   # no suite cache: the library's per-user default (unless opted out)
+    assert jax.config.jax_compilation_cache_dir in (None, compilation_cache.enabled_dir())
