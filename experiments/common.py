@@ -51,6 +51,11 @@ _NEAR_OOD = flags.DEFINE_list(
     "near_ood", [], "Near-OOD feature files as name=path (or just path; the name is then "
     "the file stem). Labels are not needed.")
 _FAR_OOD = flags.DEFINE_list("far_ood", [], "Far-OOD feature files as name=path (or path).")
+_FPR_POSITIVE = flags.DEFINE_enum(
+    "fpr_positive", "ood", ["ood", "in"], "FPR95 convention: 'ood' = OOD is the positive "
+    "class (OpenOOD v1.5, pytorch-ood: share of ID points flagged when 95% of OOD points "
+    "are caught); 'in' = ID is the positive class (share of OOD points accepted when 95% "
+    "of ID points are accepted).")
 
 
 def setup_from_flags(binary: str) -> str:
@@ -100,6 +105,10 @@ def plot_only() -> bool:
 
 def quick() -> bool:
   return _QUICK.value
+
+
+def fpr_positive() -> str:
+  return _FPR_POSITIVE.value
 
 
 def models_flag() -> List[str]:
@@ -186,11 +195,38 @@ def format_seconds(s: float) -> str:
 
 
 # ------------------------------------------------------------------------- evaluation
+OOD_METRICS = ("auroc", "fpr95", "aupr_in", "aupr_out")
+
+
+def check_fpr_positive(positive: str) -> str:
+  if positive not in metrics.FPR_CONVENTIONS:
+    raise ValueError(f"fpr_positive must be one of {sorted(metrics.FPR_CONVENTIONS)}, "
+                     f"got {positive!r}.")
+  return positive
+
+
+def fpr95_label(positive: str = "ood") -> str:
+  """Table header of FPR95 naming its convention (see ``dpmm_jax.metrics``)."""
+  check_fpr_positive(positive)
+  return "FPR95 (OpenOOD) ↓" if positive == "ood" else "FPR95 (ID pos.) ↓"
+
+
+def fpr95_note(positive: str = "ood") -> str:
+  """One sentence defining the FPR95 of a table."""
+  if positive == "ood":
+    return ("FPR95 (OpenOOD): OOD is the positive class, as in OpenOOD v1.5 and "
+            "pytorch-ood; the share of ID points flagged as OOD at the threshold that "
+            "catches 95 % of the OOD points.")
+  return ("FPR95 (ID pos.): ID is the positive class; the share of OOD points accepted "
+          "as ID at the threshold that accepts 95 % of the ID points.")
+
+
 def evaluate_models(models: Sequence[str], x_train, y_train, x_test, y_test,
                     ood_sets: Mapping[str, Any], *, num_classes: Optional[int] = None,
                     num_components: Optional[int] = None, key=None,
                     progress: Optional[Progress] = None,
-                    raise_errors: bool = True) -> Dict[str, Dict[str, Any]]:
+                    raise_errors: bool = True,
+                    fpr_positive: str = "ood") -> Dict[str, Dict[str, Any]]:
   """Fits every model on the training set and scores the ID test and OOD sets.
 
   Args:
@@ -204,16 +240,20 @@ def evaluate_models(models: Sequence[str], x_train, y_train, x_test, y_test,
     progress: a ``Progress`` to advance by one per model.
     raise_errors: re-raise a model's failure; if False, log it and record the message
       under ``"error"`` with NaN metrics.
+    fpr_positive: FPR95 convention, ``"ood"`` (OpenOOD v1.5, default) or ``"in"``
+      (``dpmm_jax.metrics.fpr_at_tpr``).
 
   Returns:
     ``{model: {"accuracy", "fit_s", "score_s", "converged", "error",
-    "ood": {name: {"auroc", "fpr95"}}}}``. ``converged`` is None for models without EM.
+    "ood": {name: {"auroc", "fpr95", "aupr_in", "aupr_out"}}}}``. ``converged`` is None
+    for models without EM.
   """
+  check_fpr_positive(fpr_positive)
   results = {}
   for model in check_models(models):
     row = {"accuracy": math.nan, "fit_s": math.nan, "score_s": math.nan,
            "converged": None, "error": None,
-           "ood": {name: {"auroc": math.nan, "fpr95": math.nan} for name in ood_sets}}
+           "ood": {name: {m: math.nan for m in OOD_METRICS} for name in ood_sets}}
     try:
       t0 = time.perf_counter()
       det, report = dpmm_jax.fit_detector_with_info(
@@ -231,8 +271,7 @@ def evaluate_models(models: Sequence[str], x_train, y_train, x_test, y_test,
       row["score_s"] = time.perf_counter() - t0
       row["accuracy"] = metrics.accuracy(jnp.argmax(class_scores_in, -1), np.asarray(y_test))
       for name, s in s_out.items():
-        row["ood"][name] = {"auroc": metrics.auroc(s_in, s),
-                            "fpr95": metrics.fpr_at_tpr(s_in, s, 0.95)}
+        row["ood"][name] = metrics.ood_metrics(s_in, s, positive=fpr_positive)
     except Exception as e:  # pylint: disable=broad-except
       if raise_errors:
         raise
