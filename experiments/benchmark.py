@@ -37,9 +37,8 @@ import dpmm_jax
 from dpmm_jax import feature_files
 from experiments import common
 
-_NUM_COMPONENTS = flags.DEFINE_integer(
-    "benchmark_num_components", None, "Keep this many principal components in the "
-    "section-8 preprocessing (default: all).")
+common.define_flags("train", "test", "near_ood", "far_ood", "output_dir", "plot_only",
+                    "float64", "models", "seed", "num_components", "fpr_positive")
 _TITLE = flags.DEFINE_string("benchmark_title", None, "Title of the table and figure.")
 
 
@@ -235,7 +234,7 @@ def main(argv):
   if not train or not test:
     raise app.UsageError("--train and --test are required (feature files).")
   result = run(output_dir, train, test, near, far, models=common.models_flag(),
-               num_components=_NUM_COMPONENTS.value, seed=common.seed(),
+               num_components=common.num_components_flag(), seed=common.seed(),
                title=_TITLE.value, fpr_positive=common.fpr_positive())
   print(result["table"])
   print(f"Results in {output_dir}/")

@@ -21,6 +21,8 @@ import dpmm_jax
 from dpmm_jax import synthetic
 from experiments import common
 
+common.define_flags("output_dir", "plot_only", "float64", "models", "seed", "num_seeds",
+                    "fpr_positive")
 _NU0 = flags.DEFINE_float("demo_nu0", 4.0, "nu0 of the generating NIW prior (> D + 1).")
 _NK = flags.DEFINE_integer("demo_num_train_per_class", 20,
                            "Training points per class (N_k).")

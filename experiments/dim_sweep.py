@@ -34,8 +34,10 @@ from experiments import highdim
 
 PAPER_COMPONENTS = (2, 4, 8, 16, 32, 64, 128, 256, 512)
 
+common.define_flags("train", "test", "near_ood", "far_ood", "output_dir", "plot_only",
+                    "float64", "models", "seed", "num_seeds", "quick", "fpr_positive")
 _COMPONENTS = flags.DEFINE_list(
-    "components", None, "Numbers of principal components to keep (default 2,4,...,512, "
+    "dim_sweep_components", None, "Numbers of principal components to keep (default 2,4,...,512, "
     "capped at the feature dimension; --quick: 2,8,32).")
 _HD_CLASSES = flags.DEFINE_integer("highdim_num_classes", 50,
                                    "Built-in problem: number of classes K.")

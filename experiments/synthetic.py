@@ -43,16 +43,18 @@ QUICK_NK = (5, 20, 100)
 FULL_NUM_SEEDS = 20
 QUICK_NUM_SEEDS = 3
 
+common.define_flags("output_dir", "plot_only", "float64", "models", "seed", "num_seeds",
+                    "quick", "fpr_positive")
 _NU0_VALUES = flags.DEFINE_list(
-    "nu0_values", None, "nu0 values of sweep (a) (default: 4,6,...,16,32,64,256,1024; "
+    "synthetic_nu0_values", None, "nu0 values of sweep (a) (default: 4,6,...,16,32,64,256,1024; "
     "--quick: 4,8,16,64,1024).")
 _NK_VALUES = flags.DEFINE_list(
-    "nk_values", None, "Training points per class of sweep (b) (default: 5,10,15,20,40,100;"
+    "synthetic_nk_values", None, "Training points per class of sweep (b) (default: 5,10,15,20,40,100;"
     " --quick: 5,20,100).")
-_NK_NU0 = flags.DEFINE_float("nk_sweep_nu0", 4.0, "nu0 used in the N_k sweep (b).")
-_NU0_NK = flags.DEFINE_integer("nu0_sweep_nk", 20, "N_k used in the nu0 sweep (a).")
+_NK_NU0 = flags.DEFINE_float("synthetic_nk_sweep_nu0", 4.0, "nu0 used in the N_k sweep (b).")
+_NU0_NK = flags.DEFINE_integer("synthetic_nu0_sweep_nk", 20, "N_k used in the nu0 sweep (a).")
 _NUM_TEST = flags.DEFINE_integer(
-    "num_test_per_class", 50, "ID test points per class; the OOD set has as many points.")
+    "synthetic_num_test_per_class", 50, "ID test points per class; the OOD set has as many points.")
 
 METRICS = ("auroc", "fpr95", "accuracy")
 # Paired differences are reported against these references.
