@@ -159,8 +159,7 @@ def markdown(result) -> str:
       continue
     if len(names) > 1:
       header += [f"{n} " + " / ".join(metric_headers) for n in names]
-    label = f"{group} ({names[0]})" if len(names) == 1 else f"{group} (mean)"
-    header += [f"{label} {h}" for h in metric_headers]
+    header += [f"{group} {h}" for h in metric_headers]
   header += ["fit s", "score s"]
   rows = []
   for model, r in result["results"].items():
@@ -182,7 +181,11 @@ def markdown(result) -> str:
     text += f"**{cfg['title']}**\n\n"
   text += (f"Train {cfg['num_train']} points, K = {cfg['num_classes']}, D = {cfg['dim']}"
            + (f" (top {cfg['num_components']} PCs)" if cfg.get("num_components") else "")
-           + f"; ID test {cfg['num_test']} points. Values in %. "
+           + f"; ID test {cfg['num_test']} points. "
+           + " ".join(f"{g} OOD: {', '.join(n)}" + (" (columns: mean over the sets)."
+                                                   if len(n) > 1 else ".")
+                      for g, n in (("Near", near), ("Far", far)) if n)
+           + " Values in %. "
            + common.fpr95_note(positive)
            + " AUPR-in / AUPR-out: average precision with ID / OOD as the positive class."
            + " Every model is deterministic given the features (one run per row).\n\n")

@@ -369,8 +369,11 @@ def _plot_sweep(plt, result, output_dir, sweep) -> Optional[str]:
                               get(f"dauroc_vs_{ref}_se"))
   axes[0].set_ylabel("AUROC (ID vs OOD) ↑")
   axes[0].set_title("AUROC, mean ± s.e. over seeds")
-  axes[-1].set_ylabel("FPR at 95% TPR ↓")
-  axes[-1].set_title("FPR95, mean ± s.e. over seeds")
+  # Results saved before the convention was recorded used the ID-positive FPR95.
+  positive = cfg.get("fpr_positive", "in")
+  axes[-1].set_ylabel("FPR at 95% TPR ↓ (" + ("OOD positive, OpenOOD" if positive == "ood"
+                                             else "ID positive") + ")")
+  axes[-1].set_title(f"{common.fpr95_label(positive)[:-2]}, mean ± s.e. over seeds")
   if ref:
     axes[1].axhline(0, color=common.MODEL_COLORS[ref], lw=1)
     axes[1].set_ylabel(f"AUROC − {common.MODEL_LABELS[ref]} AUROC (same data)")

@@ -109,8 +109,9 @@ def test_benchmark_smoke(tmp_path):
       assert r[f"far_{metric}"] == pytest.approx(
           (r["ood"]["farset"][metric] + r["ood"]["far2"][metric]) / 2)
   table = open(os.path.join(out, "benchmark.md")).read()
-  assert "Near (nearset) AUROC ↑" in table and "Far (mean) AUROC ↑" in table
-  assert "Near (nearset) FPR95 (OpenOOD) ↓" in table and "AUPR-out" in table
+  assert "| Near AUROC ↑ |" in table and "| Far AUROC ↑ |" in table
+  assert "Near OOD: nearset." in table and "Far OOD: farset, far2 (columns: mean" in table
+  assert "| Near FPR95 (OpenOOD) ↓ |" in table and "| Far AUPR-out ↑ |" in table
   assert "OpenOOD v1.5" in table  # the convention is defined under the table
   assert "farset AUROC" in table and "far2 AUROC" in table and "| DPMM diag |" in table
   saved = json.load(open(os.path.join(out, "benchmark.json")))
