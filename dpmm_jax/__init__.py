@@ -15,5 +15,6 @@ from dpmm_jax.api import (DPMM_MODELS, MODELS, ConvergenceWarning, Detector, Fit
                           class_scores, fit_detector, fit_detector_with_info,
                           outlier_probability, predict, score)
 from dpmm_jax.serialization import DetectorFileError, load, save
+from dpmm_jax import functional  # pure, jittable scoring of a fitted Detector
 
 __version__ = "0.1.0"
