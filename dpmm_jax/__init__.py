@@ -11,8 +11,8 @@ One-call API::
 The functional layer (``stats``, ``preprocess``, ``conjugate.niw``/``nix``, ``newton``,
 ``em``, ``models.*``, ``scores``, ``metrics``) stays public for composing in JAX code.
 """
-from dpmm_jax.api import (DPMM_MODELS, MODELS, ConvergenceWarning, Detector, FitReport,
-                          class_scores, fit_detector, fit_detector_with_info,
+from dpmm_jax.api import (DPMM_MODELS, MODEL_OPTIONS, MODELS, ConvergenceWarning, Detector,
+                          FitReport, class_scores, fit_detector, fit_detector_with_info,
                           outlier_probability, predict, score)
 from dpmm_jax.serialization import DetectorFileError, load, save
 from dpmm_jax import functional  # pure, jittable scoring of a fitted Detector
