@@ -28,7 +28,7 @@ binning), and they agree with scikit-learn's ``roc_auc_score``, ``roc_curve`` an
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, Tuple
 
 import numpy as np
 
@@ -36,6 +36,7 @@ __all__ = [
     "FPR_CONVENTIONS",
     "auroc",
     "fpr_at_tpr",
+    "roc_curve",
     "aupr_in",
     "aupr_out",
     "accuracy",
@@ -166,6 +167,41 @@ def fpr_at_tpr(scores_in: Any, scores_out: Any, tpr: float = 0.95, *,
     if _check_positive(positive) == "ood":
         return _fpr_positive_high(-s_out, -s_in, tpr)
     return _fpr_positive_high(s_in, s_out, tpr)
+
+
+def roc_curve(scores_in: Any, scores_out: Any, *,
+              positive: str = "ood") -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The ROC curve at every distinct score threshold, for plotting.
+
+    Args:
+      scores_in: scores of ID points, shape (M,). Higher = more in-distribution.
+      scores_out: scores of OOD points, shape (M_ood,).
+      positive: ``"ood"`` (default; a point is flagged OOD when its score is ``<= u``)
+        or ``"in"`` (accepted as ID when its score is ``>= t``).
+
+    Returns:
+      ``(fpr, tpr, thresholds)``, each of shape (T + 1,) for T distinct scores: the
+      rates of the negatives and positives called positive at each threshold, from
+      ``(0, 0)`` (nothing called positive, threshold ``inf`` or ``-inf``) to
+      ``(1, 1)``; ``thresholds`` are scores (negated back for ``"ood"``). This is
+      ``sklearn.metrics.roc_curve(..., drop_intermediate=False)`` of the same convention.
+
+    Raises:
+      ValueError: as :func:`fpr_at_tpr`.
+    """
+    s_in = _validate_scores(scores_in, "scores_in")
+    s_out = _validate_scores(scores_out, "scores_out")
+    if _check_positive(positive) == "ood":
+        pos, neg, sign = -s_out, -s_in, -1.0
+    else:
+        pos, neg, sign = s_in, s_out, 1.0
+    thresholds = np.unique(np.concatenate([pos, neg]))[::-1]
+    pos_sorted, neg_sorted = np.sort(pos), np.sort(neg)
+    tp = pos.size - np.searchsorted(pos_sorted, thresholds, side="left")
+    fp = neg.size - np.searchsorted(neg_sorted, thresholds, side="left")
+    fpr = np.concatenate([[0.0], fp / neg.size])
+    tpr = np.concatenate([[0.0], tp / pos.size])
+    return fpr, tpr, sign * np.concatenate([[np.inf], thresholds])
 
 
 def _fpr_positive_high(s_pos: np.ndarray, s_neg: np.ndarray, tpr: float) -> float:

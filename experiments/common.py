@@ -14,6 +14,7 @@ import csv
 import json
 import math
 import os
+import sys
 import time
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence
 
@@ -241,9 +242,11 @@ def float_dtype():
 
 # --------------------------------------------------------------------------- progress
 class Progress:
-  """Logs ``done/total``, elapsed and estimated remaining time of a long loop.
+  """Reports ``done/total``, elapsed and estimated remaining time of a long loop.
 
-  Logs at most every ``every_s`` seconds (and always at the last step).
+  Reports at most every ``every_s`` seconds (and always at the last step): as an absl
+  INFO log under ``app.run`` (the binaries), printed to stderr when absl would hide INFO
+  logs (a function called from Python or a notebook).
   """
 
   def __init__(self, total: int, name: str, every_s: float = 10.0):
@@ -262,9 +265,15 @@ class Progress:
     self._last = now
     elapsed = now - self.start
     remaining = elapsed / self.done * (self.total - self.done) if self.done else math.nan
-    logging.info("%s: %d/%d done, %s elapsed, ~%s remaining%s", self.name, self.done,
-                 self.total, format_seconds(elapsed), format_seconds(remaining),
-                 f" ({message})" if message else "")
+    text = "%s: %d/%d done, %s elapsed, ~%s remaining%s" % (
+        self.name, self.done, self.total, format_seconds(elapsed),
+        format_seconds(remaining), f" ({message})" if message else "")
+    if logging.level_info():
+      logging.info(text)
+    else:
+      # Called from Python or a notebook, where absl shows only warnings unless
+      # app.run set it up: print instead, so long runs still report progress.
+      print(text, file=sys.stderr, flush=True)
 
 
 def format_seconds(s: float) -> str:

@@ -291,3 +291,20 @@ def test_bad_tpr_and_accuracy_inputs():
         metrics.accuracy([], [])
     with pytest.raises(ValueError, match=r"labels.*1 NaN"):
         metrics.accuracy([0.0, 1.0], [math.nan, 1.0])
+
+
+@pytest.mark.parametrize("case", [0, 1, 2, 5, 9, len(CASES) - 3])
+@pytest.mark.parametrize("positive", ["ood", "in"])
+def test_roc_curve_against_sklearn(case, positive):
+    s_in, s_out = CASES[case]
+    fpr, tpr, thr = metrics.roc_curve(s_in, s_out, positive=positive)
+    is_in = _labels(s_in, s_out)
+    scores = np.concatenate([s_in, s_out])
+    y, s = (1 - is_in, -scores) if positive == "ood" else (is_in, scores)
+    sk_fpr, sk_tpr, sk_thr = skm.roc_curve(y, s, drop_intermediate=False)
+    np.testing.assert_allclose(fpr, sk_fpr, atol=EXACT)
+    np.testing.assert_allclose(tpr, sk_tpr, atol=EXACT)
+    sign = -1.0 if positive == "ood" else 1.0
+    np.testing.assert_array_equal(thr[1:], sign * sk_thr[1:])
+    # FPR95 is read off this curve.
+    assert metrics.fpr_at_tpr(s_in, s_out, positive=positive) == fpr[np.argmax(tpr >= 0.95)]
