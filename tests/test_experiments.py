@@ -139,7 +139,7 @@ def test_benchmark_input_errors(tmp_path):
   with pytest.raises(ValueError, match="at least one OOD"):
     benchmark.run(None, train, test, {}, {}, models=("rmds",))
   bad = feature_files.save_npz(str(tmp_path / "bad"), np.zeros((5, 3), np.float32))
-  with pytest.raises(ValueError, match="dimension 3 but 6 was expected"):
+  with pytest.raises(ValueError, match="has 3 features but the training file has 6"):
     benchmark.run(None, train, test, {"x": bad}, {}, models=("rmds",))
   with pytest.raises(ValueError, match="Unknown model"):
     benchmark.run(None, train, test, {"x": near}, {}, models=("nope",))
