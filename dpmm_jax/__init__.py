@@ -11,11 +11,12 @@ One-call API::
 The functional layer (``stats``, ``preprocess``, ``conjugate.niw``/``nix``, ``newton``,
 ``em``, ``models.*``, ``scores``, ``metrics``) stays public for composing in JAX code.
 """
-from dpmm_jax.api import (DPMM_MODELS, MODELS, ConvergenceWarning, Detector, FitReport,
-                          FitDiagnosticWarning, IdenticalClassWarning,
+from dpmm_jax.api import (DPMM_MODELS, MODEL_OPTIONS, MODELS, ConvergenceWarning, Detector,
+                          FitReport, FitDiagnosticWarning, IdenticalClassWarning,
                           class_scores, fit_detector, fit_detector_with_info,
                           outlier_probability, predict, score)
 from dpmm_jax.serialization import DetectorFileError, load, save
 from dpmm_jax import compilation_cache, threads  # per-user compile cache; BLAS threads
+from dpmm_jax import functional  # pure, jittable scoring of a fitted Detector
 
 __version__ = "0.1.0"

@@ -31,6 +31,15 @@ _FULL_STATS = ("indep_rmds", "full")
 # Models whose Sigma0 is the average within-class covariance (it must be non-singular).
 _HIERARCHICAL = ("full", "diag", "coupled")
 MSP_TEMPERATURE = 1000.0
+_EM_OPTIONS = ("df", "mean_concentration", "tol", "max_iter", "df_cap")
+_MSP_OPTIONS = ("num_steps", "learning_rate", "weight_decay", "batch_size")
+# The keyword options each model's fit accepts (``**options`` of fit_detector).
+MODEL_OPTIONS = {
+    "mds": ("rtol",), "rmds": ("rtol",), "indep_rmds": ("pseudo_count", "rtol"),
+    "msp": _MSP_OPTIONS, "temp_msp": _MSP_OPTIONS, "tied": ("rtol",),
+    "full": _EM_OPTIONS, "diag": _EM_OPTIONS,
+    "coupled": _EM_OPTIONS + ("gamma_shape", "options"),
+}
 
 
 class ConvergenceWarning(UserWarning):
@@ -329,6 +338,12 @@ def fit_detector_with_info(x, y, model: str = "coupled", *, num_classes=None,
     raise TypeError(f"model must be a string naming one of {MODELS}, got {model!r}.")
   if model not in MODELS:
     raise ValueError(f"Unknown model {model!r}; choose one of {MODELS}.")
+  unknown = sorted(set(options) - set(MODEL_OPTIONS[model]))
+  if unknown:
+    raise TypeError(
+        f"Unknown option(s) {unknown} for model {model!r}; its options are "
+        f"{', '.join(MODEL_OPTIONS[model]) or 'none'} (and for every model: num_classes, "
+        "preprocess, num_components, chunk_size, key).")
   if not isinstance(preprocess, (bool, np.bool_)):
     raise TypeError(f"preprocess must be True or False, got {preprocess!r}.")
   chunk_size = validation.positive_int(chunk_size, "chunk_size")
@@ -404,7 +419,8 @@ def fit_detector(x, y, model: str = "coupled", **kwargs) -> "Detector":
     num_components: keep this many top principal components (needs preprocess).
     chunk_size: rows per chunk when accumulating statistics.
     key: PRNG key (MSP heads only).
-    **options: passed to the model's fit (e.g. ``tol``, ``max_iter`` for EM models).
+    **options: passed to the model's fit; ``MODEL_OPTIONS[model]`` lists them (e.g.
+      ``tol``, ``max_iter`` for EM models). Others raise a TypeError naming the model.
   Returns:
     Detector.
   Raises:

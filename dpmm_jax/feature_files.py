@@ -10,19 +10,22 @@ Two formats are read:
   path of the features file.
 
 Labels are integers in 0..K-1 for training and ID test sets; OOD sets need no labels
-(a ``labels`` array of -1 is accepted there and ignored). Checks raise ``ValueError``
-with the file name and what is wrong: missing arrays, shape mismatches, non-numeric
-features, non-integer or negative labels, and rows with NaN or inf values (with their
-count and the first row indices, scanned in chunks for memory-mapped files).
+(a ``labels`` array of -1 is accepted there and ignored). The checks are those of
+``dpmm_jax.validation`` (the same as ``fit_detector``'s), with the file name in every
+message: ``TypeError`` for non-numeric features or non-integer labels, ``ValueError``
+for missing arrays, shape mismatches, negative labels and rows with NaN or inf values
+(with their count and the first row indices, scanned in chunks for memory-mapped
+files). Features keep their stored dtype (converted when fitting or scoring).
 """
 import os
 from typing import NamedTuple, Optional
 
 import numpy as np
 
+from dpmm_jax import validation
+
 __all__ = ["FeatureSet", "load", "resolve", "save_npz", "save_npy_pair"]
 
-_MAX_LISTED = 5
 _SCAN_ROWS = 65536
 
 
@@ -119,51 +122,22 @@ def load(path: str, *, require_labels: bool = True, check_finite: bool = True,
 
 
 def _check_features(x, name, dim):
-  if not (np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.integer)):
-    raise ValueError(f"{name}: features must be numeric (float or int), got dtype "
-                     f"{x.dtype}.")
-  if x.ndim != 2:
-    raise ValueError(f"{name}: features must be 2-D (num_points, num_features), got "
-                     f"shape {x.shape}.")
-  if x.shape[0] == 0 or x.shape[1] == 0:
-    raise ValueError(f"{name}: features are empty (shape {x.shape}).")
-  if dim is not None and x.shape[1] != dim:
-    raise ValueError(f"{name}: features have dimension {x.shape[1]} but {dim} was expected"
-                     " (the training file's); a different extractor or layer?")
-  return x
+  return validation.features(x, f"{name}: features", dim=dim, allow_memmap=True,
+                             dim_source="the training file has", convert=False)
 
 
 def _check_labels(y, num_points, name, require_valid):
-  if y.ndim != 1:
-    raise ValueError(f"{name}: labels must be 1-D, got shape {y.shape}.")
-  if y.shape[0] != num_points:
-    raise ValueError(f"{name}: {y.shape[0]} labels for {num_points} feature rows.")
-  if not np.issubdtype(y.dtype, np.integer):
-    if not require_valid:
-      return None  # OOD sets: labels are not used.
-    raise ValueError(f"{name}: labels must have an integer dtype, got {y.dtype}; map class "
-                     "names (or float labels) to integers 0..K-1 before saving.")
-  y = np.asarray(y)
-  if require_valid and y.size and y.min() < 0:
-    bad = np.flatnonzero(y < 0)
-    raise ValueError(f"{name}: {bad.size} negative label(s) (first rows: "
-                     f"{bad[:_MAX_LISTED].tolist()}); labels must be 0..K-1.")
-  return y
+  if require_valid:
+    return validation.label_array(y, num_points, f"{name}: labels")
+  # OOD sets: the labels are not used; any integer values (e.g. -1) are kept as given.
+  if y.ndim != 1 or y.shape[0] != num_points:
+    raise ValueError(f"{name}: labels must have shape ({num_points},) to match the "
+                     f"features, got {y.shape}.")
+  return np.asarray(y) if np.issubdtype(y.dtype, np.integer) else None
 
 
 def _check_finite(x, name):
-  if not np.issubdtype(x.dtype, np.floating):
-    return
-  bad = []
-  for start in range(0, x.shape[0], _SCAN_ROWS):
-    chunk = np.asarray(x[start:start + _SCAN_ROWS])
-    rows = np.flatnonzero(~np.all(np.isfinite(chunk), axis=1))
-    if rows.size:
-      bad.append(rows + start)
-  if bad:
-    bad = np.concatenate(bad)
-    raise ValueError(f"{name}: {bad.size} of {x.shape[0]} rows have NaN or inf values "
-                     f"(first rows: {bad[:_MAX_LISTED].tolist()}).")
+  validation.check_finite_rows(x, f"{name}: features", _SCAN_ROWS)
 
 
 def save_npz(path: str, features, labels=None) -> str:

@@ -1,9 +1,23 @@
 """Out-of-distribution detection metrics: AUROC, FPR@TPR, AUPR-in/out, accuracy.
 
 Convention used throughout (the same as the rest of ``dpmm_jax``): a **higher score
-means more in-distribution**, and in-distribution (ID) points are the **positive**
-class. ``scores_in`` are the scores of ID test points, shape (M,), and ``scores_out``
-the scores of out-of-distribution (OOD) test points, shape (M_ood,).
+means more in-distribution**. ``scores_in`` are the scores of ID test points, shape
+(M,), and ``scores_out`` the scores of out-of-distribution (OOD) test points, shape
+(M_ood,).
+
+Which class is "positive" matters for the FPR at a fixed TPR, and the field uses two
+conventions that differ by a factor of two or more on the same scores:
+
+* ``positive="ood"`` (the default): **OOD is the positive class**, as in OpenOOD v1.5
+  and pytorch-ood. FPR95 is the share of ID points flagged as OOD when the threshold
+  catches 95 % of the OOD points.
+* ``positive="in"``: ID is the positive class (the older convention of many papers):
+  the share of OOD points accepted as ID when 95 % of the ID points are accepted.
+
+AUROC is the same under both conventions; AUPR-in and AUPR-out are the average
+precision with ID, respectively OOD, as the positive class (scikit-learn's
+``average_precision_score``; OpenOOD integrates the precision-recall curve with the
+trapezoidal rule instead, which differs slightly on small or heavily tied sets).
 
 The functions are host-side numpy code: they accept numpy or JAX arrays (or lists),
 copy them to float64 numpy arrays (an exact conversion for float32 scores, so ties and
@@ -14,18 +28,31 @@ binning), and they agree with scikit-learn's ``roc_auc_score``, ``roc_curve`` an
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, Tuple
 
 import numpy as np
 
 __all__ = [
+    "FPR_CONVENTIONS",
     "auroc",
     "fpr_at_tpr",
+    "roc_curve",
     "aupr_in",
     "aupr_out",
     "accuracy",
     "ood_metrics",
 ]
+
+
+# ``positive=`` values of :func:`fpr_at_tpr`, with the short names used in table headers.
+FPR_CONVENTIONS = {"ood": "OpenOOD v1.5, OOD positive", "in": "ID positive"}
+
+
+def _check_positive(positive: str) -> str:
+    if positive not in FPR_CONVENTIONS:
+        raise ValueError(f"positive must be one of {sorted(FPR_CONVENTIONS)}, got "
+                         f"{positive!r}.")
+    return positive
 
 
 def _validate_scores(x: Any, name: str) -> np.ndarray:
@@ -93,48 +120,103 @@ def auroc(scores_in: Any, scores_out: Any) -> float:
     return float(twice_u / (2.0 * s_in.size * s_out.size))
 
 
-def fpr_at_tpr(scores_in: Any, scores_out: Any, tpr: float = 0.95) -> float:
-    r"""False-positive rate on OOD points at the threshold where ID recall reaches ``tpr``.
+def fpr_at_tpr(scores_in: Any, scores_out: Any, tpr: float = 0.95, *,
+               positive: str = "ood") -> float:
+    r"""False-positive rate at the threshold where the positives' recall reaches ``tpr``.
 
-    A point is declared in-distribution when its score is ``>= t``. For a threshold
-    ``t`` define ``TPR(t) = #{i: s_in_i >= t} / M`` and
-    ``FPR(t) = #{j: s_out_j >= t} / M_ood``. The threshold used is the largest one
-    that reaches the target recall,
+    ``positive="ood"`` (default; OpenOOD v1.5 and pytorch-ood): OOD points are the
+    positives and a point is flagged OOD when its score is ``<= u``. With
+    ``TPR(u) = #{j: s_out_j <= u} / M_ood`` and ``FPR(u) = #{i: s_in_i <= u} / M``
+    the threshold is the smallest ``u`` with ``TPR(u) >= tpr`` and the function returns
+    ``FPR(u)``: the share of ID points rejected when ``tpr`` of the OOD points are
+    caught. This equals ``fpr[argmax(tpr_curve >= tpr)]`` of
+    ``sklearn.metrics.roc_curve(is_ood, -scores)``, which is how OpenOOD computes it.
 
-    .. math::  t^* = \max\{t : \mathrm{TPR}(t) \ge \mathrm{tpr}\},
+    ``positive="in"``: ID points are the positives and a point is accepted as ID when
+    its score is ``>= t``; ``TPR(t) = #{i: s_in_i >= t} / M``,
+    ``FPR(t) = #{j: s_out_j >= t} / M_ood``, ``t* = max{t : TPR(t) >= tpr}`` (the
+    ``k``-th largest ID score with ``k = min{k : k / M >= tpr}``) and the function
+    returns ``FPR(t*)``: the share of OOD points accepted when ``tpr`` of the ID
+    points are. This equals ``fpr[argmax(tpr_curve >= tpr)]`` of
+    ``sklearn.metrics.roc_curve(is_id, scores)``.
 
-    which is the ``k``-th largest ID score with ``k = min{k : k / M >= tpr}``; the
-    function returns ``FPR(t*)``. Ties are handled conservatively: OOD points whose
-    score equals ``t*`` count as false positives (they cannot be separated from the
-    ID points at ``t*``). This is exactly the FPR at the first point of
-    ``sklearn.metrics.roc_curve(..., drop_intermediate=False)`` whose TPR is
-    ``>= tpr``. With ``tpr=0.95`` this is the usual "FPR95" / "FPR@95TPR".
+    The "ood" value is the "in" value with the roles of the two sets exchanged and the
+    scores negated. In both, ties are handled conservatively: negatives whose score
+    equals the threshold count as false positives (they cannot be separated from the
+    positives there); sklearn's ``roc_curve`` does the same, with or without
+    ``drop_intermediate``. With ``tpr=0.95`` this is the usual "FPR95".
 
     Args:
       scores_in: scores of ID points, shape (M,). Higher = more in-distribution.
       scores_out: scores of OOD points, shape (M_ood,).
-      tpr: target true-positive rate on ID points, in (0, 1].
+      tpr: target true-positive rate of the positive class, in (0, 1].
+      positive: ``"ood"`` (default) or ``"in"``, the positive class.
 
     Returns:
       The FPR in [0, 1] as a Python float.
 
     Raises:
-      ValueError: if an input is not 1-D, is empty or holds NaN/inf entries, or if
-        ``tpr`` is not in (0, 1].
+      ValueError: if an input is not 1-D, is empty or holds NaN/inf entries, if
+        ``tpr`` is not in (0, 1], or ``positive`` is not ``"ood"`` or ``"in"``.
     """
     s_in = _validate_scores(scores_in, "scores_in")
     s_out = _validate_scores(scores_out, "scores_out")
     tpr = float(tpr)
     if not 0.0 < tpr <= 1.0:
         raise ValueError(f"tpr must be in (0, 1], got {tpr}.")
-    m = s_in.size
-    s_in_desc = np.sort(s_in)[::-1]
-    # Recall reached when the threshold is the k-th largest ID score is at least k/M;
-    # the division is done as in roc_curve (float counts / float total).
+    if _check_positive(positive) == "ood":
+        return _fpr_positive_high(-s_out, -s_in, tpr)
+    return _fpr_positive_high(s_in, s_out, tpr)
+
+
+def roc_curve(scores_in: Any, scores_out: Any, *,
+              positive: str = "ood") -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The ROC curve at every distinct score threshold, for plotting.
+
+    Args:
+      scores_in: scores of ID points, shape (M,). Higher = more in-distribution.
+      scores_out: scores of OOD points, shape (M_ood,).
+      positive: ``"ood"`` (default; a point is flagged OOD when its score is ``<= u``)
+        or ``"in"`` (accepted as ID when its score is ``>= t``).
+
+    Returns:
+      ``(fpr, tpr, thresholds)``, each of shape (T + 1,) for T distinct scores: the
+      rates of the negatives and positives called positive at each threshold, from
+      ``(0, 0)`` (nothing called positive, threshold ``inf`` or ``-inf``) to
+      ``(1, 1)``; ``thresholds`` are scores (negated back for ``"ood"``). This is
+      ``sklearn.metrics.roc_curve(..., drop_intermediate=False)`` of the same convention.
+
+    Raises:
+      ValueError: as :func:`fpr_at_tpr`.
+    """
+    s_in = _validate_scores(scores_in, "scores_in")
+    s_out = _validate_scores(scores_out, "scores_out")
+    if _check_positive(positive) == "ood":
+        pos, neg, sign = -s_out, -s_in, -1.0
+    else:
+        pos, neg, sign = s_in, s_out, 1.0
+    thresholds = np.unique(np.concatenate([pos, neg]))[::-1]
+    pos_sorted, neg_sorted = np.sort(pos), np.sort(neg)
+    tp = pos.size - np.searchsorted(pos_sorted, thresholds, side="left")
+    fp = neg.size - np.searchsorted(neg_sorted, thresholds, side="left")
+    fpr = np.concatenate([[0.0], fp / neg.size])
+    tpr = np.concatenate([[0.0], tp / pos.size])
+    return fpr, tpr, sign * np.concatenate([[np.inf], thresholds])
+
+
+def _fpr_positive_high(s_pos: np.ndarray, s_neg: np.ndarray, tpr: float) -> float:
+    """FPR of negatives at the largest threshold where positives' recall >= tpr.
+
+    Positives score high; a point is called positive when its score is ``>= t``.
+    """
+    m = s_pos.size
+    s_pos_desc = np.sort(s_pos)[::-1]
+    # Recall reached when the threshold is the k-th largest positive score is at least
+    # k/M; the division is done as in roc_curve (float counts / float total).
     recall_at_k = np.arange(1, m + 1, dtype=np.float64) / float(m)
     k = int(np.argmax(recall_at_k >= tpr))  # zero-based; tpr <= 1 so always found.
-    threshold = s_in_desc[k]
-    return float(np.count_nonzero(s_out >= threshold) / s_out.size)
+    threshold = s_pos_desc[k]
+    return float(np.count_nonzero(s_neg >= threshold) / s_neg.size)
 
 
 def _average_precision(scores_pos: np.ndarray, scores_neg: np.ndarray) -> float:
@@ -236,26 +318,30 @@ def accuracy(predictions: Any, labels: Any) -> float:
     return float(np.count_nonzero(pred == lab) / pred.size)
 
 
-def ood_metrics(scores_in: Any, scores_out: Any) -> Dict[str, float]:
+def ood_metrics(scores_in: Any, scores_out: Any, *,
+                positive: str = "ood") -> Dict[str, float]:
     """All OOD detection metrics at once.
 
     Args:
       scores_in: scores of ID points, shape (M,). Higher = more in-distribution.
       scores_out: scores of OOD points, shape (M_ood,).
+      positive: the FPR95 convention, ``"ood"`` (default, OpenOOD v1.5) or ``"in"``;
+        see :func:`fpr_at_tpr`.
 
     Returns:
       A dict with Python floats under the keys ``"auroc"`` (see :func:`auroc`),
-      ``"fpr95"`` (:func:`fpr_at_tpr` with ``tpr=0.95``), ``"aupr_in"`` and
-      ``"aupr_out"``.
+      ``"fpr95"`` (:func:`fpr_at_tpr` with ``tpr=0.95`` and ``positive``),
+      ``"aupr_in"`` and ``"aupr_out"``.
 
     Raises:
-      ValueError: if an input is not 1-D, is empty or holds NaN/inf entries.
+      ValueError: if an input is not 1-D, is empty or holds NaN/inf entries, or
+        ``positive`` is not ``"ood"`` or ``"in"``.
     """
     s_in = _validate_scores(scores_in, "scores_in")
     s_out = _validate_scores(scores_out, "scores_out")
     return {
         "auroc": auroc(s_in, s_out),
-        "fpr95": fpr_at_tpr(s_in, s_out, tpr=0.95),
+        "fpr95": fpr_at_tpr(s_in, s_out, tpr=0.95, positive=positive),
         "aupr_in": aupr_in(s_in, s_out),
         "aupr_out": aupr_out(s_in, s_out),
     }

@@ -16,16 +16,9 @@ from jax.scipy import special as jsp
 _SERIES_THRESHOLD = 10.0
 
 
-def multigammaln(a, dim: int):
-  """log Gamma_D(a) = D(D-1)/4 log(pi) + sum_{i=1}^D log Gamma(a + (1 - i)/2)."""
-  a = jnp.asarray(a)
-  offsets = -0.5 * jnp.arange(dim, dtype=a.dtype)
-  return (dim * (dim - 1) / 4.0 * jnp.log(jnp.pi)
-          + jnp.sum(jsp.gammaln(a[..., None] + offsets), axis=-1))
-
-
 def multidigamma(a, dim: int):
-  """psi_D(a) = sum_{i=1}^D digamma(a + (1 - i)/2), the derivative of multigammaln."""
+  """psi_D(a) = sum_{i=1}^D digamma(a + (1 - i)/2), the derivative of
+  ``jax.scipy.special.multigammaln(a, dim)`` (log Gamma_D, used directly)."""
   a = jnp.asarray(a)
   offsets = -0.5 * jnp.arange(dim, dtype=a.dtype)
   return jnp.sum(jsp.digamma(a[..., None] + offsets), axis=-1)

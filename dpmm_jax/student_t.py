@@ -6,19 +6,9 @@ functions use ``log1p`` so that far-away points keep finite log densities, and
 1e6) keep an accurate normaliser.
 """
 import jax.numpy as jnp
-from jax.scipy import special as jsp
 from jax.scipy.linalg import solve_triangular
 
-# Above this half-df the normaliser uses Stirling's series (truncation error < 1e-12).
-_STIRLING_THRESHOLD = 10.0
-
-
-def _stirling_remainder(z):
-  """lgamma(z) - [(z - 1/2) log z - z + log(2 pi)/2] for z >= 10."""
-  inv = 1.0 / z
-  inv2 = inv * inv
-  return inv * (1.0 / 12 + inv2 * (-1.0 / 360 + inv2 * (1.0 / 1260 - inv2 / 1680)))
-
+from dpmm_jax import special
 
 def t_log_normalizer(df, dim):
   """lgamma((df + D)/2) - lgamma(df/2) - D/2 log(df pi), accurate for any df > 0.
@@ -26,9 +16,9 @@ def t_log_normalizer(df, dim):
   Why this exists: formed directly, the two log-gammas are ~ (df/2) log(df/2) each and
   cancel; in float32 the result is off by 0.005 nats at df = 1e4, 0.1 at df = 1e6 and
   0.6 at df = 1e7 per Student-t factor, which scrambles the scores once EM drives nu0
-  to its cap. With a = df/2 and h = D/2, Stirling's series gives
-  lgamma(a + h) - lgamma(a) - h log a = a [(1 + x) log1p(x) - x] - log1p(x)/2
-  + r(a + h) - r(a), x = h/a, whose terms are all small (absolute error ~ h eps).
+  to its cap. With a = df/2 and h = D/2 it equals
+  ``special.log_gamma_ratio_excess(a, h) - h log(2 pi)`` (lgamma(a + h) - lgamma(a) -
+  h log a by Stirling's series, whose terms are all small).
 
   Args:
     df: positive degrees of freedom (any shape).
@@ -37,17 +27,8 @@ def t_log_normalizer(df, dim):
     Array of the broadcast shape.
   """
   df = jnp.asarray(df)
-  a = 0.5 * df
   h = 0.5 * jnp.asarray(dim, df.dtype)
-  big = a >= _STIRLING_THRESHOLD
-  a_big = jnp.where(big, a, _STIRLING_THRESHOLD)
-  x = h / a_big
-  excess_big = (a_big * ((1.0 + x) * jnp.log1p(x) - x) - 0.5 * jnp.log1p(x)
-                + _stirling_remainder(a_big + h) - _stirling_remainder(a_big))
-  a_small = jnp.where(big, 1.0, a)
-  excess_small = jsp.gammaln(a_small + h) - jsp.gammaln(a_small) - h * jnp.log(a_small)
-  # lgamma(a + h) - lgamma(a) - h log(2 a pi) = excess - h log(2 pi).
-  return jnp.where(big, excess_big, excess_small) - h * jnp.log(2.0 * jnp.pi)
+  return special.log_gamma_ratio_excess(0.5 * df, h) - h * jnp.log(2.0 * jnp.pi)
 
 
 def mvt_log_normalizer(df, chol_scale):

@@ -50,7 +50,8 @@ def _is_real_numeric(dtype) -> bool:
 
 
 def features(x, name: str = "x", dim=None, allow_memmap: bool = False,
-             allow_empty: bool = False):
+             allow_empty: bool = False, dim_source: str = "the detector was fitted on",
+             convert: bool = True):
   """Checks a (N, D) feature array; returns it as a numpy array of a float dtype.
 
   Args:
@@ -60,6 +61,9 @@ def features(x, name: str = "x", dim=None, allow_memmap: bool = False,
     allow_memmap: keep an ``np.memmap`` as it is (the caller checks each chunk with
       ``check_finite_chunk`` while reading it).
     allow_empty: accept N = 0 (scoring an empty batch).
+    dim_source: where ``dim`` comes from, for the mismatch message.
+    convert: check finiteness and cast to the compute float dtype; with False only the
+      kind, shape and dimension are checked and the array is returned as it is.
   Returns:
     numpy array (or the memmap) with a float dtype.
   Raises:
@@ -88,10 +92,10 @@ def features(x, name: str = "x", dim=None, allow_memmap: bool = False,
   if arr.shape[1] == 0 or (arr.shape[0] == 0 and not allow_empty):
     raise ValueError(f"{name} is empty (shape {arr.shape}).")
   if dim is not None and arr.shape[1] != dim:
-    raise ValueError(f"{name} has {arr.shape[1]} features but the detector was fitted on "
-                     f"{dim}; features from a different extractor or layer?")
+    raise ValueError(f"{name} has {arr.shape[1]} features but {dim_source} {dim}; "
+                     "features from a different extractor or layer?")
   dtype = _float_dtype(arr.dtype)
-  if not isinstance(arr, np.memmap):
+  if convert and not isinstance(arr, np.memmap):
     _check_finite(arr, name)
     arr = _convert(arr, dtype, name)
   return arr
@@ -124,6 +128,21 @@ def _convert(arr, dtype, name, offset: int = 0):
   return out
 
 
+def check_finite_rows(arr, name: str, chunk_rows: int = 65536) -> None:
+  """Scans a (N, D) array (or memmap) in chunks; raises ValueError with the total count
+  of rows holding NaN or inf and the first of them."""
+  if not (np.issubdtype(arr.dtype, np.inexact) or arr.dtype.name == "bfloat16"):
+    return
+  bad = []
+  for start in range(0, arr.shape[0], chunk_rows):
+    chunk = np.asarray(arr[start:start + chunk_rows])
+    bad.append(np.flatnonzero(~np.all(np.isfinite(chunk), axis=1)) + start)
+  bad = np.concatenate(bad) if bad else np.zeros(0, np.int64)
+  if bad.size:
+    raise ValueError(f"{name} has {bad.size} row(s) with NaN or inf values out of "
+                     f"{arr.shape[0]} (first rows: {_listed(bad)}).")
+
+
 def check_finite_chunk(arr, name, offset):
   """Finite check for one chunk of a memory-mapped array (row indices are global)."""
   arr = np.asarray(arr)
@@ -143,6 +162,29 @@ def check_num_classes(value, name: str = "num_classes"):
   return value
 
 
+def label_array(y, num_points: int, name: str = "y") -> np.ndarray:
+  """Checks a (N,) array of non-negative integer labels (no class-count checks).
+
+  Raises:
+    TypeError: labels that are not integers (bool and float labels included).
+    ValueError: wrong shape, empty, negative labels.
+  """
+  arr = np.asarray(y)
+  if arr.ndim != 1 or arr.shape[0] != num_points:
+    raise ValueError(f"{name} must have shape ({num_points},) to match the features, got "
+                     f"{arr.shape}.")
+  if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+    raise TypeError(f"{name} must hold integer class labels, got dtype {arr.dtype}; map "
+                    "class names (or float labels) to integers 0..K-1.")
+  if arr.size == 0:
+    raise ValueError(f"{name} is empty.")
+  negative = np.flatnonzero(arr < 0)
+  if negative.size:
+    raise ValueError(f"{name} has {negative.size} negative label(s) (first at rows "
+                     f"{_listed(negative)}); labels must be 0..K-1.")
+  return arr
+
+
 def labels(y, num_points: int, num_classes=None, name: str = "y"):
   """Checks integer labels; returns (labels int32 numpy array, num_classes).
 
@@ -151,18 +193,7 @@ def labels(y, num_points: int, num_classes=None, name: str = "y"):
     ValueError: wrong shape, labels outside 0..K-1, classes with no points, K < 2.
   """
   num_classes = check_num_classes(num_classes)
-  arr = np.asarray(y)
-  if arr.ndim != 1 or arr.shape[0] != num_points:
-    raise ValueError(f"{name} must have shape ({num_points},) to match the features, got "
-                     f"{arr.shape}.")
-  if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
-    raise TypeError(f"{name} must hold integer class labels, got dtype {arr.dtype}.")
-  if arr.size == 0:
-    raise ValueError(f"{name} is empty.")
-  negative = np.flatnonzero(arr < 0)
-  if negative.size:
-    raise ValueError(f"{name} has {negative.size} negative label(s) (first at rows "
-                     f"{_listed(negative)}); labels must be 0..K-1.")
+  arr = label_array(y, num_points, name)
   if num_classes is None:
     num_classes = int(arr.max()) + 1
   too_big = np.flatnonzero(arr >= num_classes)

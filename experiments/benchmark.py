@@ -1,4 +1,13 @@
-r"""Table 1 runner: every model on feature files, ID accuracy and AUROC / FPR95 per OOD set.
+r"""Table 1 runner: every model on feature files, ID accuracy and AUROC / FPR95 / AUPR-in /
+AUPR-out per OOD set.
+
+FPR95 follows OpenOOD v1.5 by default (OOD is the positive class: the share of ID points
+flagged when 95 % of the OOD points are caught); ``--fpr_positive=in`` gives the older
+ID-positive convention. Each table header names the convention.
+
+Every model is deterministic given the features (the MSP heads start at zero and train
+full-batch on a convex loss, so the seed does not enter), so one run per row reproduces
+the table exactly.
 
 Inputs are feature files (``dpmm_jax.feature_files``): a ``.npz`` with ``features`` and
 ``labels``, or a memory-mapped pair ``<name>_features.npy`` + ``<name>_labels.npy``. A
@@ -28,9 +37,8 @@ import dpmm_jax
 from dpmm_jax import feature_files
 from experiments import common
 
-_NUM_COMPONENTS = flags.DEFINE_integer(
-    "benchmark_num_components", None, "Keep this many principal components in the "
-    "section-8 preprocessing (default: all).")
+common.define_flags("train", "test", "near_ood", "far_ood", "output_dir", "plot_only",
+                    "float64", "models", "seed", "num_components", "fpr_positive")
 _TITLE = flags.DEFINE_string("benchmark_title", None, "Title of the table and figure.")
 
 
@@ -53,7 +61,7 @@ def _load_all(train, test, near, far):
 def run(output_dir: Optional[str], train: str, test: str, near_ood: Mapping[str, str],
         far_ood: Mapping[str, str], *, models: Sequence[str] = dpmm_jax.MODELS,
         num_components: Optional[int] = None, seed: int = 0, title: Optional[str] = None,
-        plot: bool = True) -> Dict[str, Any]:
+        plot: bool = True, fpr_positive: str = "ood") -> Dict[str, Any]:
   """Fits every model on ``train`` and evaluates on the ID test and OOD files.
 
   Args:
@@ -65,13 +73,16 @@ def run(output_dir: Optional[str], train: str, test: str, near_ood: Mapping[str,
     seed: PRNG seed (MSP heads).
     title: shown above the table and figure.
     plot: draw ``benchmark.png`` from the saved results.
+    fpr_positive: FPR95 convention, ``"ood"`` (OpenOOD v1.5, default) or ``"in"``.
 
   Returns:
     ``{"config", "results": {model: {...}}, "table"}``; each model has ``accuracy``,
-    ``fit_s``, ``score_s``, ``ood: {name: {"auroc", "fpr95"}}`` and ``near_auroc``,
-    ``far_auroc``, ``near_fpr95``, ``far_fpr95`` (averages over the group's sets).
+    ``fit_s``, ``score_s``, ``ood: {name: {"auroc", "fpr95", "aupr_in", "aupr_out"}}``
+    and ``near_<metric>``, ``far_<metric>`` for each of those metrics (averages over the
+    group's sets).
   """
   models = common.check_models(models)
+  common.check_fpr_positive(fpr_positive)
   if not near_ood and not far_ood:
     raise ValueError("Give at least one OOD file (near_ood or far_ood).")
   t0 = time.perf_counter()
@@ -84,16 +95,17 @@ def run(output_dir: Optional[str], train: str, test: str, near_ood: Mapping[str,
       models, tr.features, tr.labels, te.features, te.labels,
       {name: fs.features for name, (_, fs) in ood.items()}, num_classes=num_classes,
       num_components=num_components, key=jax.random.PRNGKey(seed), progress=progress,
-      raise_errors=False)
+      raise_errors=False, fpr_positive=fpr_positive)
   groups = {name: g for name, (g, _) in ood.items()}
   for r in results.values():
     for g in ("near", "far"):
-      for metric in ("auroc", "fpr95"):
+      for metric in common.OOD_METRICS:
         vals = [r["ood"][n][metric] for n in r["ood"] if groups[n] == g]
         r[f"{g}_{metric}"] = float(np.mean(vals)) if vals else float("nan")
   config = dict(train=tr.path, test=te.path, num_train=tr.num_points,
                 num_test=te.num_points, dim=tr.dim, num_classes=num_classes,
                 num_components=num_components, seed=seed, models=models, title=title,
+                fpr_positive=fpr_positive,
                 ood={name: {"group": g, "path": fs.path, "num_points": fs.num_points}
                      for name, (g, fs) in ood.items()})
   result = {"config": config, "results": results}
@@ -118,41 +130,50 @@ def csv_rows(result):
     row = dict(model=model, accuracy=r["accuracy"])
     for g in ("near", "far"):
       if _ood_names(cfg, g):
-        row[f"{g}_auroc"], row[f"{g}_fpr95"] = r[f"{g}_auroc"], r[f"{g}_fpr95"]
+        for metric in common.OOD_METRICS:
+          row[f"{g}_{metric}"] = r[f"{g}_{metric}"]
     for name in cfg["ood"]:
-      row[f"{name}_auroc"] = r["ood"][name]["auroc"]
-      row[f"{name}_fpr95"] = r["ood"][name]["fpr95"]
+      for metric in common.OOD_METRICS:
+        row[f"{name}_{metric}"] = r["ood"][name][metric]
     row.update(fit_s=r["fit_s"], score_s=r["score_s"], converged=r["converged"],
-               error=r["error"])
+               error=r["error"], fpr_positive=cfg.get("fpr_positive", "in"))
     rows.append(row)
   return rows
 
 
 def markdown(result) -> str:
-  """The Table-1 layout: ID accuracy, per-OOD-set AUROC / FPR95, Near and Far averages,
-  then fit and score seconds. AUROC and accuracy in %, FPR95 in %."""
+  """The Table-1 layout: ID accuracy; per OOD group (Near, Far) the average AUROC, FPR95
+  (its convention in the header), AUPR-in and AUPR-out over the group's sets; per set
+  (when a group has several) the four values in one cell; then fit and score seconds.
+  Everything in %."""
   cfg = result["config"]
+  # Results saved before the convention was recorded used the ID-positive FPR95.
+  positive = cfg.get("fpr_positive", "in")
+  fpr = common.fpr95_label(positive)
   near, far = _ood_names(cfg, "near"), _ood_names(cfg, "far")
-  pct = lambda v: v * 100 if v is not None else float("nan")  # pylint: disable=g-long-lambda
+  pct = lambda v: common.nan_if_none(v) * 100  # pylint: disable=g-long-lambda
+  metric_headers = ["AUROC ↑", fpr, "AUPR-in ↑", "AUPR-out ↑"]
   header = ["model", "ID acc. ↑"]
   for group, names in (("Near", near), ("Far", far)):
-    if len(names) == 1:  # one set: its column is the group's average
-      header += [f"**{group}** ({names[0]}) AUROC ↑ / FPR95 ↓"]
+    if not names:
       continue
-    header += [f"{n} AUROC ↑ / FPR95 ↓" for n in names]
-    if names:
-      header += [f"**{group}** AUROC ↑ / FPR95 ↓"]
+    if len(names) > 1:
+      header += [f"{n} " + " / ".join(metric_headers) for n in names]
+    header += [f"{group} {h}" for h in metric_headers]
   header += ["fit s", "score s"]
   rows = []
   for model, r in result["results"].items():
     row = [common.MODEL_LABELS.get(model, model), f"{pct(r['accuracy']):.1f}"]
     for group, names in (("near", near), ("far", far)):
+      if not names:
+        continue
       if len(names) > 1:
         for n in names:
-          o = r["ood"][n]
-          row.append(f"{pct(o['auroc']):.1f} / {pct(o['fpr95']):.1f}")
-      if names:
-        row.append(f"**{pct(r[group + '_auroc']):.1f}** / {pct(r[group + '_fpr95']):.1f}")
+          row.append(" / ".join(f"{pct(r['ood'][n].get(m)):.1f}"
+                                for m in common.OOD_METRICS))
+      for m in common.OOD_METRICS:
+        v = f"{pct(r.get(f'{group}_{m}')):.1f}"
+        row.append(f"**{v}**" if m == "auroc" else v)
     row += [f"{common.nan_if_none(r['fit_s']):.2f}", f"{common.nan_if_none(r['score_s']):.2f}"]
     rows.append(row)
   text = ""
@@ -160,7 +181,14 @@ def markdown(result) -> str:
     text += f"**{cfg['title']}**\n\n"
   text += (f"Train {cfg['num_train']} points, K = {cfg['num_classes']}, D = {cfg['dim']}"
            + (f" (top {cfg['num_components']} PCs)" if cfg.get("num_components") else "")
-           + f"; ID test {cfg['num_test']} points. Values in %.\n\n")
+           + f"; ID test {cfg['num_test']} points. "
+           + " ".join(f"{g} OOD: {', '.join(n)}" + (" (columns: mean over the sets)."
+                                                   if len(n) > 1 else ".")
+                      for g, n in (("Near", near), ("Far", far)) if n)
+           + " Values in %. "
+           + common.fpr95_note(positive)
+           + " AUPR-in / AUPR-out: average precision with ID / OOD as the positive class."
+           + " Every model is deterministic given the features (one run per row).\n\n")
   text += common.markdown_table(header, rows)
   failed = [(m, r["error"]) for m, r in result["results"].items() if r.get("error")]
   for m, e in failed:
@@ -209,8 +237,8 @@ def main(argv):
   if not train or not test:
     raise app.UsageError("--train and --test are required (feature files).")
   result = run(output_dir, train, test, near, far, models=common.models_flag(),
-               num_components=_NUM_COMPONENTS.value, seed=common.seed(),
-               title=_TITLE.value)
+               num_components=common.num_components_flag(), seed=common.seed(),
+               title=_TITLE.value, fpr_positive=common.fpr_positive())
   print(result["table"])
   print(f"Results in {output_dir}/")
 

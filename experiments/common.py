@@ -14,6 +14,7 @@ import csv
 import json
 import math
 import os
+import sys
 import time
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence
 
@@ -27,38 +28,114 @@ import dpmm_jax
 from dpmm_jax import metrics
 
 # ------------------------------------------------------------------------------ flags
-_SEED = flags.DEFINE_integer("seed", 0, "Base random seed (seeds used are seed, seed+1, ...).")
-_FLOAT64 = flags.DEFINE_bool(
-    "float64", False, "Enable jax_enable_x64 and run every computation in float64.")
-_OUTPUT_DIR = flags.DEFINE_string(
-    "output_dir", None, "Directory for results (JSON/CSV/Markdown) and PNG figures "
-    "(default: results/<binary name>).")
-_PLOT_ONLY = flags.DEFINE_bool(
-    "plot_only", False, "Redraw the figures from the results saved in --output_dir "
-    "without recomputing anything.")
-_MODELS = flags.DEFINE_list(
-    "models", list(dpmm_jax.MODELS), "Comma-separated models to run, from "
-    f"{', '.join(dpmm_jax.MODELS)}.")
-_QUICK = flags.DEFINE_bool("quick", False, "Small, fast version of the experiment.")
-_NUM_SEEDS = flags.DEFINE_integer(
-    "num_seeds", None, "Number of random datasets / repetitions (default: the binary's).")
-# Feature-file inputs (benchmark, dim_sweep, covariance_analysis).
-_TRAIN = flags.DEFINE_string(
-    "train", None, "Training feature file: a .npz with 'features' and 'labels', or the "
-    "prefix/first file of a memory-mapped pair <name>_features.npy + <name>_labels.npy.")
-_TEST = flags.DEFINE_string("test", None, "In-distribution test feature file (with labels).")
-_NEAR_OOD = flags.DEFINE_list(
-    "near_ood", [], "Near-OOD feature files as name=path (or just path; the name is then "
-    "the file stem). Labels are not needed.")
-_FAR_OOD = flags.DEFINE_list("far_ood", [], "Far-OOD feature files as name=path (or path).")
+# Flags shared by several binaries. None is defined at import: each binary calls
+# ``define_flags(...)`` with the shared flags it reads, which defines them (once per
+# process) and makes them key flags of that binary, so its ``--help`` lists them and a
+# binary does not accept a shared flag it does not use (``--quick`` is accepted only by
+# binaries where it means something). Binary-specific flags are defined in the binary
+# and named ``<binary>_<option>``.
+FLAGS = flags.FLAGS
+
+_SHARED_FLAGS = {
+    "seed": lambda: flags.DEFINE_integer(
+        "seed", 0, "Base random seed (seeds used are seed, seed+1, ...)."),
+    "num_seeds": lambda: flags.DEFINE_integer(
+        "num_seeds", None, "Number of random datasets / repetitions (default: the "
+        "binary's)."),
+    "float64": lambda: flags.DEFINE_bool(
+        "float64", False, "Enable jax_enable_x64 and run every computation in float64."),
+    "output_dir": lambda: flags.DEFINE_string(
+        "output_dir", None, "Directory for results (JSON/CSV/Markdown) and PNG figures "
+        "(default: results/<binary name>)."),
+    "plot_only": lambda: flags.DEFINE_bool(
+        "plot_only", False, "Redraw the figures (or reprint the table) from the results "
+        "saved in --output_dir without recomputing anything."),
+    "models": lambda: flags.DEFINE_list(
+        "models", list(dpmm_jax.MODELS), "Comma-separated models to run, from "
+        f"{', '.join(dpmm_jax.MODELS)}."),
+    "quick": lambda: flags.DEFINE_bool(
+        "quick", False, "Small, fast version of the experiment (see the binary's "
+        "docstring for what it shrinks)."),
+    "num_components": lambda: flags.DEFINE_integer(
+        "num_components", None, "Principal components kept by the section-8 "
+        "preprocessing (default: the binary's; all for benchmark, 64 for "
+        "covariance_analysis).", lower_bound=1),
+    "fpr_positive": lambda: flags.DEFINE_enum(
+        "fpr_positive", "ood", ["ood", "in"], "FPR95 convention: 'ood' = OOD is the "
+        "positive class (OpenOOD v1.5, pytorch-ood: share of ID points flagged when 95% "
+        "of OOD points are caught); 'in' = ID is the positive class (share of OOD points "
+        "accepted when 95% of ID points are accepted)."),
+    # Feature-file inputs (benchmark, dim_sweep, covariance_analysis).
+    "train": lambda: flags.DEFINE_string(
+        "train", None, "Training feature file: a .npz with 'features' and 'labels', or "
+        "the prefix/first file of a memory-mapped pair <name>_features.npy + "
+        "<name>_labels.npy."),
+    "test": lambda: flags.DEFINE_string(
+        "test", None, "In-distribution test feature file (with labels)."),
+    "near_ood": lambda: flags.DEFINE_list(
+        "near_ood", [], "Near-OOD feature files as name=path (or just path; the name is "
+        "then the file stem). Labels are not needed."),
+    "far_ood": lambda: flags.DEFINE_list(
+        "far_ood", [], "Far-OOD feature files as name=path (or path)."),
+}
+SHARED_FLAGS = tuple(_SHARED_FLAGS)
+
+# The shared flags each accessor below reads (tests check every binary declares the
+# flags behind the accessors it calls, and uses every shared flag it declares).
+ACCESSOR_FLAGS = {
+    "setup_from_flags": ("float64", "output_dir"),
+    "seed": ("seed",),
+    "seeds": ("seed", "num_seeds"),
+    "output_dir_flag": ("output_dir",),
+    "plot_only": ("plot_only",),
+    "quick": ("quick",),
+    "fpr_positive": ("fpr_positive",),
+    "models_flag": ("models",),
+    "num_components_flag": ("num_components",),
+    "train_flag": ("train",),
+    "feature_flags": ("train", "test", "near_ood", "far_ood"),
+}
+
+# From here on, flags defined (and key flags declared) by this module's functions are
+# attributed to the binary that calls them.
+flags.disclaim_key_flags()
+
+
+def define_flags(*names: str) -> None:
+  """Defines the shared flags ``names`` as key flags of the calling binary.
+
+  A flag already defined in this process (another binary imported first, in tests or
+  notebooks) is only declared as a key flag of the caller.
+
+  Raises:
+    ValueError: for a name that is not a shared flag.
+  """
+  unknown = [n for n in names if n not in _SHARED_FLAGS]
+  if unknown:
+    raise ValueError(f"Unknown shared flag(s) {unknown}; shared flags are "
+                     f"{sorted(_SHARED_FLAGS)}.")
+  for name in names:
+    if name in FLAGS:
+      flags.declare_key_flag(name)
+    else:
+      _SHARED_FLAGS[name]()
+
+
+def _value(name: str):
+  """The value of a shared flag, with a clear error if the binary did not define it."""
+  if name not in FLAGS:
+    raise RuntimeError(
+        f"The flag --{name} is read but was not defined: add {name!r} to the binary's "
+        "common.define_flags(...).")
+  return FLAGS[name].value
 
 
 def setup_from_flags(binary: str) -> str:
   """Applies --float64, warns about known runtime problems, returns the output directory."""
-  if _FLOAT64.value:
+  if _value("float64"):
     jax.config.update("jax_enable_x64", True)
   warn_known_jax_issues()
-  return _OUTPUT_DIR.value or os.path.join("results", binary)
+  return _value("output_dir") or os.path.join("results", binary)
 
 
 def warn_known_jax_issues() -> None:
@@ -79,37 +156,53 @@ def warn_known_jax_issues() -> None:
 
 
 def seed() -> int:
-  return _SEED.value
+  return _value("seed")
 
 
 def seeds(default_num: int) -> List[int]:
   """[seed, seed + 1, ...] of length --num_seeds (or ``default_num``)."""
-  n = default_num if _NUM_SEEDS.value is None else _NUM_SEEDS.value
+  n = _value("num_seeds")
+  n = default_num if n is None else n
   if n < 1:
     raise ValueError(f"--num_seeds must be >= 1, got {n}.")
-  return [_SEED.value + i for i in range(n)]
+  base = _value("seed")
+  return [base + i for i in range(n)]
 
 
 def output_dir_flag() -> Optional[str]:
-  return _OUTPUT_DIR.value
+  return _value("output_dir")
 
 
 def plot_only() -> bool:
-  return _PLOT_ONLY.value
+  return _value("plot_only")
 
 
 def quick() -> bool:
-  return _QUICK.value
+  return _value("quick")
+
+
+def fpr_positive() -> str:
+  return _value("fpr_positive")
 
 
 def models_flag() -> List[str]:
-  return check_models(_MODELS.value)
+  return check_models(_value("models"))
+
+
+def num_components_flag(default: Optional[int] = None) -> Optional[int]:
+  """--num_components, or the binary's ``default`` when the flag is not given."""
+  n = _value("num_components")
+  return default if n is None else n
+
+
+def train_flag() -> Optional[str]:
+  return _value("train")
 
 
 def feature_flags():
   """(train, test, near {name: path}, far {name: path}) from the feature-file flags."""
-  return (_TRAIN.value, _TEST.value, parse_named_paths(_NEAR_OOD.value),
-          parse_named_paths(_FAR_OOD.value))
+  return (_value("train"), _value("test"), parse_named_paths(_value("near_ood")),
+          parse_named_paths(_value("far_ood")))
 
 
 def parse_named_paths(items: Iterable[str]) -> Dict[str, str]:
@@ -149,9 +242,11 @@ def float_dtype():
 
 # --------------------------------------------------------------------------- progress
 class Progress:
-  """Logs ``done/total``, elapsed and estimated remaining time of a long loop.
+  """Reports ``done/total``, elapsed and estimated remaining time of a long loop.
 
-  Logs at most every ``every_s`` seconds (and always at the last step).
+  Reports at most every ``every_s`` seconds (and always at the last step): as an absl
+  INFO log under ``app.run`` (the binaries), printed to stderr when absl would hide INFO
+  logs (a function called from Python or a notebook).
   """
 
   def __init__(self, total: int, name: str, every_s: float = 10.0):
@@ -170,9 +265,15 @@ class Progress:
     self._last = now
     elapsed = now - self.start
     remaining = elapsed / self.done * (self.total - self.done) if self.done else math.nan
-    logging.info("%s: %d/%d done, %s elapsed, ~%s remaining%s", self.name, self.done,
-                 self.total, format_seconds(elapsed), format_seconds(remaining),
-                 f" ({message})" if message else "")
+    text = "%s: %d/%d done, %s elapsed, ~%s remaining%s" % (
+        self.name, self.done, self.total, format_seconds(elapsed),
+        format_seconds(remaining), f" ({message})" if message else "")
+    if logging.level_info():
+      logging.info(text)
+    else:
+      # Called from Python or a notebook, where absl shows only warnings unless
+      # app.run set it up: print instead, so long runs still report progress.
+      print(text, file=sys.stderr, flush=True)
 
 
 def format_seconds(s: float) -> str:
@@ -186,13 +287,39 @@ def format_seconds(s: float) -> str:
 
 
 # ------------------------------------------------------------------------- evaluation
+OOD_METRICS = ("auroc", "fpr95", "aupr_in", "aupr_out")
+
+
+def check_fpr_positive(positive: str) -> str:
+  if positive not in metrics.FPR_CONVENTIONS:
+    raise ValueError(f"fpr_positive must be one of {sorted(metrics.FPR_CONVENTIONS)}, "
+                     f"got {positive!r}.")
+  return positive
+
+
+def fpr95_label(positive: str = "ood") -> str:
+  """Table header of FPR95 naming its convention (see ``dpmm_jax.metrics``)."""
+  check_fpr_positive(positive)
+  return "FPR95 (OpenOOD) ↓" if positive == "ood" else "FPR95 (ID pos.) ↓"
+
+
+def fpr95_note(positive: str = "ood") -> str:
+  """One sentence defining the FPR95 of a table."""
+  if positive == "ood":
+    return ("FPR95 (OpenOOD): OOD is the positive class, as in OpenOOD v1.5 and "
+            "pytorch-ood; the share of ID points flagged as OOD at the threshold that "
+            "catches 95 % of the OOD points.")
+  return ("FPR95 (ID pos.): ID is the positive class; the share of OOD points accepted "
+          "as ID at the threshold that accepts 95 % of the ID points.")
+
+
 def evaluate_models(models: Sequence[str], x_train, y_train, x_test, y_test,
                     ood_sets: Mapping[str, Any], *, num_classes: Optional[int] = None,
                     num_components: Optional[int] = None, key=None,
                     progress: Optional[Progress] = None,
                     raise_errors: bool = True,
                     model_options: Optional[Mapping[str, Mapping[str, Any]]] = None,
-                    ) -> Dict[str, Dict[str, Any]]:
+                    fpr_positive: str = "ood") -> Dict[str, Dict[str, Any]]:
   """Fits every model on the training set and scores the ID test and OOD sets.
 
   Args:
@@ -208,16 +335,20 @@ def evaluate_models(models: Sequence[str], x_train, y_train, x_test, y_test,
       under ``"error"`` with NaN metrics.
     model_options: ``{model: {option: value}}`` passed to that model's fit (e.g.
       ``{"tied": {"prior_scale": "total"}}`` for the paper's tied model).
+    fpr_positive: FPR95 convention, ``"ood"`` (OpenOOD v1.5, default) or ``"in"``
+      (``dpmm_jax.metrics.fpr_at_tpr``).
 
   Returns:
     ``{model: {"accuracy", "fit_s", "score_s", "converged", "error",
-    "ood": {name: {"auroc", "fpr95"}}}}``. ``converged`` is None for models without EM.
+    "ood": {name: {"auroc", "fpr95", "aupr_in", "aupr_out"}}}}``. ``converged`` is None
+    for models without EM.
   """
+  check_fpr_positive(fpr_positive)
   results = {}
   for model in check_models(models):
     row = {"accuracy": math.nan, "fit_s": math.nan, "score_s": math.nan,
            "converged": None, "error": None,
-           "ood": {name: {"auroc": math.nan, "fpr95": math.nan} for name in ood_sets}}
+           "ood": {name: {m: math.nan for m in OOD_METRICS} for name in ood_sets}}
     try:
       t0 = time.perf_counter()
       det, report = dpmm_jax.fit_detector_with_info(
@@ -235,8 +366,7 @@ def evaluate_models(models: Sequence[str], x_train, y_train, x_test, y_test,
       row["score_s"] = time.perf_counter() - t0
       row["accuracy"] = metrics.accuracy(jnp.argmax(class_scores_in, -1), np.asarray(y_test))
       for name, s in s_out.items():
-        row["ood"][name] = {"auroc": metrics.auroc(s_in, s),
-                            "fpr95": metrics.fpr_at_tpr(s_in, s, 0.95)}
+        row["ood"][name] = metrics.ood_metrics(s_in, s, positive=fpr_positive)
     except Exception as e:  # pylint: disable=broad-except
       if raise_errors:
         raise

@@ -9,7 +9,7 @@ r"""Figures 1 and 2 of the paper: do the class covariances differ, and how? (app
    average (the coupled model's ``gamma_k``), the correlation is positive.
 
 The features are first put through the section-8 preprocessing keeping the top
-``--covariance_num_components`` principal components (the paper kept 128 of ImageNet's
+``--num_components`` (default 64) principal components (the paper kept 128 of ImageNet's
 768). Classes with no more points than dimensions have singular covariances and are
 left out. Input: a labelled feature file (``--train``) or, with none, the built-in problem
 of ``experiments.highdim``.
@@ -40,9 +40,9 @@ from dpmm_jax import stats as stats_lib
 from experiments import common
 from experiments import highdim
 
-_NUM_COMPONENTS = flags.DEFINE_integer(
-    "covariance_num_components", 64, "Principal components kept before the analysis "
-    "(the paper used 128).")
+common.define_flags("train", "output_dir", "plot_only", "float64", "seed", "quick",
+                    "num_components")
+DEFAULT_NUM_COMPONENTS = 64  # the paper used 128
 _MAX_CLASSES = flags.DEFINE_integer(
     "covariance_max_classes", 1000, "Use at most this many classes (the first ones); the "
     "number of pairs grows as K^2.")
@@ -258,11 +258,12 @@ def main(argv):
   if common.plot_only():
     plot_results(output_dir)
     return
-  train, _, _, _ = common.feature_flags()
+  train = common.train_flag()
   quick = common.quick()
   problem = QUICK_PROBLEM if quick else dict(num_train_per_class=_CA_NK.value)
   result = run(output_dir, train=train,
-               num_components=8 if quick else _NUM_COMPONENTS.value,
+               num_components=common.num_components_flag(
+                   8 if quick else DEFAULT_NUM_COMPONENTS),
                max_classes=_MAX_CLASSES.value, seed=common.seed(), problem=problem)
   print(result["table"])
   print(f"Results in {output_dir}/")

@@ -34,8 +34,10 @@ from experiments import highdim
 
 PAPER_COMPONENTS = (2, 4, 8, 16, 32, 64, 128, 256, 512)
 
+common.define_flags("train", "test", "near_ood", "far_ood", "output_dir", "plot_only",
+                    "float64", "models", "seed", "num_seeds", "quick", "fpr_positive")
 _COMPONENTS = flags.DEFINE_list(
-    "components", None, "Numbers of principal components to keep (default 2,4,...,512, "
+    "dim_sweep_components", None, "Numbers of principal components to keep (default 2,4,...,512, "
     "capped at the feature dimension; --quick: 2,8,32).")
 _HD_CLASSES = flags.DEFINE_integer("highdim_num_classes", 50,
                                    "Built-in problem: number of classes K.")
@@ -47,7 +49,8 @@ _HD_NTEST = flags.DEFINE_integer("highdim_num_test_per_class", 20,
 QUICK_PROBLEM = dict(num_classes=8, dim=32, num_train_per_class=40, num_test_per_class=10,
                      num_ood_classes=8)
 QUICK_COMPONENTS = (2, 8, 32)
-METRIC_KEYS = ("accuracy", "near_auroc", "far_auroc", "near_fpr95", "far_fpr95")
+METRIC_KEYS = ("accuracy",) + tuple(f"{g}_{m}" for g in ("near", "far")
+                                    for m in ("auroc", "fpr95", "aupr_in", "aupr_out"))
 
 
 def _components_for(dim: int, components: Sequence[int]) -> List[int]:
@@ -80,7 +83,8 @@ def run(output_dir: Optional[str], *, train: Optional[str] = None,
         test: Optional[str] = None, near_ood: Mapping[str, str] = None,
         far_ood: Mapping[str, str] = None, components: Sequence[int] = PAPER_COMPONENTS,
         models: Sequence[str] = dpmm_jax.MODELS, seeds: Sequence[int] = (0,),
-        problem: Optional[Dict[str, Any]] = None, plot: bool = True) -> Dict[str, Any]:
+        problem: Optional[Dict[str, Any]] = None, plot: bool = True,
+        fpr_positive: str = "ood") -> Dict[str, Any]:
   """Sweeps the number of principal components for every model.
 
   Args:
@@ -93,11 +97,14 @@ def run(output_dir: Optional[str], *, train: Optional[str] = None,
       PRNG seed of the MSP heads.
     problem: keyword arguments of ``experiments.highdim.make_problem``.
     plot: draw ``dim_sweep.png`` from the saved results.
+    fpr_positive: FPR95 convention of the ``*_fpr95`` columns, ``"ood"`` (OpenOOD v1.5,
+      default) or ``"in"``.
 
   Returns:
     ``{"config", "records", "summary", "table"}``.
   """
   models = common.check_models(models)
+  common.check_fpr_positive(fpr_positive)
   near_ood, far_ood = dict(near_ood or {}), dict(far_ood or {})
   if train and not test:
     raise ValueError("A training file needs an ID test file too.")
@@ -120,13 +127,13 @@ def run(output_dir: Optional[str], *, train: Optional[str] = None,
       res = common.evaluate_models(
           models, x_tr, y_tr, x_te, y_te, {name: x for name, (_, x) in ood.items()},
           num_components=n, key=jax.random.PRNGKey(seed), progress=progress,
-          raise_errors=False)
+          raise_errors=False, fpr_positive=fpr_positive)
       for model, r in res.items():
         rec = dict(seed=seed, num_components=n, model=model, accuracy=r["accuracy"],
                    fit_s=r["fit_s"], score_s=r["score_s"], converged=r["converged"],
                    error=r["error"])
         for g in ("near", "far"):
-          for metric in ("auroc", "fpr95"):
+          for metric in common.OOD_METRICS:
             vals = [r["ood"][name][metric] for name in r["ood"] if groups[name] == g]
             rec[f"{g}_{metric}"] = float(np.mean(vals)) if vals else float("nan")
         for name in r["ood"]:
@@ -145,7 +152,7 @@ def run(output_dir: Optional[str], *, train: Optional[str] = None,
             ", ".join(f"{k}={v}" for k, v in problem.items()))
   config = dict(source=source, train=train, test=test, near_ood=near_ood, far_ood=far_ood,
                 dim=dim, components=comps, models=models, seeds=seeds,
-                problem=None if train else problem)
+                problem=None if train else problem, fpr_positive=fpr_positive)
   result = {"config": config, "records": records, "summary": summary}
   result["table"] = markdown(result)
   if output_dir:
@@ -222,7 +229,8 @@ def main(argv):
       num_train_per_class=_HD_NK.value, num_test_per_class=_HD_NTEST.value)
   result = run(output_dir, train=train, test=test, near_ood=near, far_ood=far,
                components=components, models=common.models_flag(),
-               seeds=common.seeds(1 if quick or train else 3), problem=problem)
+               seeds=common.seeds(1 if quick or train else 3), problem=problem,
+               fpr_positive=common.fpr_positive())
   print(result["table"])
   print(f"Results in {output_dir}/")
 

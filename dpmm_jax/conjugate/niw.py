@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.scipy import special as jsp
 from jax.scipy.linalg import cho_solve
 from jax.scipy.linalg import solve_triangular
 
@@ -75,7 +76,7 @@ def log_normalizer(niw: NIW, chol_scale=None):
   if chol_scale is None:
     chol_scale = jnp.linalg.cholesky(niw.scale)
   return (-0.5 * dim * jnp.log(niw.mean_concentration)
-          + special.multigammaln(0.5 * niw.df, dim) + 0.5 * niw.df * dim * jnp.log(2.0)
+          + jsp.multigammaln(0.5 * niw.df, dim) + 0.5 * niw.df * dim * jnp.log(2.0)
           - 0.5 * niw.df * linalg.chol_log_det(chol_scale))
 
 
@@ -200,7 +201,7 @@ def df_objective(df, stat_sum, num_classes, dim):
   derivatives and for reporting.
   """
   return (num_classes * (0.5 * df * dim * jnp.log(0.5 * (df - dim - 1.0))
-                         - special.multigammaln(0.5 * df, dim))
+                         - jsp.multigammaln(0.5 * df, dim))
           + 0.5 * df * (stat_sum - num_classes * dim))
 
 
