@@ -475,34 +475,11 @@ def _locations(locations, num_points, name="locations"):
   return loc
 
 
-def fit(x, locations, num_clusters: int, *, key, inducing=None, num_inducing_per_dim=None,
-        concentration=1.0, amplitude=1.0, length_scale=0.1, jitter=None, tol=1e-5,
-        max_iter: int = 500, max_step=1.0, update_field: bool = True, init_means=None,
-        kmeans_iters: int = 20) -> Result:
-  """Fits an LDDP mixture of Gaussians by CAVI (one call).
-
-  Args:
-    x: (N, D) observations (e.g. pixel colours).
-    locations: (N, P) their locations (e.g. pixel coordinates scaled to [0, 1]).
-    num_clusters: K, the truncation of the gamma process (e.g. 5 or 100).
-    key: jax PRNG key (k-means initialisation).
-    inducing: (M, P) Nystrom inducing locations; default an even grid over the bounding
-      box of ``locations`` with ``num_inducing_per_dim`` points per dimension (default:
-      about 5 % of N in all). Pass ``locations`` itself for the exact kernel.
-    concentration: alpha0.
-    amplitude, length_scale: s_f, s_l of the RBF kernel.
-    jitter: added to the diagonal of K(l*, l*) (default 1e-4 s_f^2 in float32, 1e-8 s_f^2
-      in float64).
-    tol: relative change of the bound that stops the sweeps; max_iter: cap on sweeps.
-    max_step: largest f step rho tried (1 = the paper's full preconditioned step).
-    update_field: False keeps f = 0 (a finite Bayesian GMM with Gamma-normalised weights).
-    init_means: (K, D) initial means of q(mu) instead of k-means.
-    kmeans_iters: Lloyd iterations of the k-means initialisation.
-  Returns:
-    Result (assignments, responsibilities, bound_trace, num_iters, converged, ...).
-  Raises:
-    TypeError / ValueError: bad inputs, named.
-  """
+def _prepare(x, locations, num_clusters, key, inducing=None, num_inducing_per_dim=None,
+             concentration=1.0, amplitude=1.0, length_scale=0.1, jitter=None, tol=1e-5,
+             max_iter=500, max_step=1.0, update_field=True, init_means=None,
+             kmeans_iters=20):
+  """Validates ``fit``'s inputs; returns (dynamic args, static options) of ``_fit_jit``."""
   x = validation.features(x, "x")
   loc = _locations(locations, x.shape[0])
   num_clusters = validation.positive_int(num_clusters, "num_clusters")
@@ -539,11 +516,56 @@ def fit(x, locations, num_clusters: int, *, key, inducing=None, num_inducing_per
   if jitter is None:
     jitter = default_jitter(dtype, amplitude)
   cast = lambda v: jnp.asarray(v, dtype)
-  return _fit_jit(cast(x), cast(loc), cast(inducing), key, cast(init_means),
-                  cast(concentration), cast(amplitude), cast(length_scale), cast(jitter),
-                  cast(tol), cast(max_step), num_clusters=num_clusters,
-                  max_iter=int(max_iter), update_field_=bool(update_field),
-                  kmeans_iters=int(kmeans_iters), has_init_means=has_init)
+  args = (cast(x), cast(loc), cast(inducing), key, cast(init_means), cast(concentration),
+          cast(amplitude), cast(length_scale), cast(jitter), cast(tol), cast(max_step))
+  static = dict(num_clusters=num_clusters, max_iter=int(max_iter),
+                update_field_=bool(update_field), kmeans_iters=int(kmeans_iters),
+                has_init_means=has_init)
+  return args, static
+
+
+def fit(x, locations, num_clusters: int, *, key, inducing=None, num_inducing_per_dim=None,
+        concentration=1.0, amplitude=1.0, length_scale=0.1, jitter=None, tol=1e-5,
+        max_iter: int = 500, max_step=1.0, update_field: bool = True, init_means=None,
+        kmeans_iters: int = 20) -> Result:
+  """Fits an LDDP mixture of Gaussians by CAVI (one call).
+
+  Args:
+    x: (N, D) observations (e.g. pixel colours).
+    locations: (N, P) their locations (e.g. pixel coordinates scaled to [0, 1]).
+    num_clusters: K, the truncation of the gamma process (e.g. 5 or 100).
+    key: jax PRNG key (k-means initialisation).
+    inducing: (M, P) Nystrom inducing locations; default an even grid over the bounding
+      box of ``locations`` with ``num_inducing_per_dim`` points per dimension (default:
+      about 5 % of N in all). Pass ``locations`` itself for the exact kernel.
+    concentration: alpha0.
+    amplitude, length_scale: s_f, s_l of the RBF kernel.
+    jitter: added to the diagonal of K(l*, l*) (default 1e-4 s_f^2 in float32, 1e-8 s_f^2
+      in float64).
+    tol: relative change of the bound that stops the sweeps; max_iter: cap on sweeps.
+    max_step: largest f step rho tried (1 = the paper's full preconditioned step).
+    update_field: False keeps f = 0 (a finite Bayesian GMM with Gamma-normalised weights).
+    init_means: (K, D) initial means of q(mu) instead of k-means.
+    kmeans_iters: Lloyd iterations of the k-means initialisation.
+  Returns:
+    Result (assignments, responsibilities, bound_trace, num_iters, converged, ...).
+  Raises:
+    TypeError / ValueError: bad inputs, named.
+  """
+  args, static = _prepare(x, locations, num_clusters, key, inducing, num_inducing_per_dim,
+                          concentration, amplitude, length_scale, jitter, tol, max_iter,
+                          max_step, update_field, init_means, kmeans_iters)
+  return _fit_jit(*args, **static)
+
+
+def compile_fit(x, locations, num_clusters: int, *, key, **options):
+  """Ahead-of-time compiled ``fit``: returns a callable of no arguments giving the Result.
+
+  Same arguments as ``fit``; separates compilation from run time (for timing).
+  """
+  args, static = _prepare(x, locations, num_clusters, key, **options)
+  compiled = _fit_jit.lower(*args, **static).compile()
+  return lambda: compiled(*args)
 
 
 # ------------------------------------------------------------------- prediction, usage
