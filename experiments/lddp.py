@@ -41,7 +41,7 @@ from experiments import common
 
 flags.adopt_module_key_flags(common)
 _FIGURE_DIR = flags.DEFINE_string(
-    "figure_dir", None, "Directory for the PNG figures (default: --output_dir).")
+    "lddp_figure_dir", None, "Directory for the PNG figures (default: --output_dir).")
 _SCENE_SIZE = flags.DEFINE_integer("lddp_scene_size", None,
                                    "Side of the synthetic scenes in pixels (default 64; "
                                    "--quick 24).")
@@ -347,7 +347,7 @@ def plot_results(output_dir: str, figure_dir: Optional[str] = None):
     key = f"scene_{name}"
     if name == "image":
       ax.imshow(np.clip(labels[key], 0, 1))
-      ax.set_title("scene (RGB)")
+      ax.set_title("scene (RGB)", fontsize=8)
     else:
       ax.imshow(labels[key], cmap="tab20", interpolation="nearest")
       title = ("true segments" if name == "truth" else METHOD_LABELS[name].format(
@@ -382,6 +382,7 @@ def plot_results(output_dir: str, figure_dir: Optional[str] = None):
       ax.set_yticks([])
       ax.grid(False)
   fig.suptitle("Segmentations, each segment in its mean colour", fontsize=10)
+  fig.tight_layout(rect=(0, 0, 1, 0.98))
   paths.append(common.save_figure(fig, os.path.join(figure_dir, "lddp_photos.png")))
   plt.close(fig)
 
