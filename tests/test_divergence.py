@@ -371,3 +371,15 @@ def test_rescale_maps_into_unit_cube():
   assert np.allclose(u, 0.5)
   u, v = dv.rescale(np.array([[0.0], [1.0]]), np.array([[0.5]]), bounds=(0.0, 1.0))
   assert u[1, 0] < 1.0 and u[0, 0] == 0.0 and v[0, 0] == 0.5
+
+
+def test_experiment_binary_smoke(tmp_path):
+  """The binary's sanity part at a tiny size: results, Markdown and figure are written."""
+  from experiments import divergence as experiment  # pylint: disable=g-import-not-at-top
+  res = experiment.run(str(tmp_path), quick=True, parts=("sanity",), sanity_n=60,
+                       burnin=10, samples=5)
+  assert set(res["sanity"]) == {"uniform_mixture", "nested_partitions"}
+  for name in ("divergence_sanity.json", "divergence_sanity.md", "divergence_sanity.png"):
+    assert (tmp_path / name).exists()
+  md = (tmp_path / "divergence_sanity.md").read_text()
+  assert "nested_partitions" in md and "true TV" in md
