@@ -370,8 +370,8 @@ def markdown(part, res, cfg, quick):
             for name, r in res["results"].items()]
     return (f"# CLINC150 intents as sample sets: domain clustering{size}\n\n"
             f"{res['num_intents']} intents ({res['points_per_intent']} utterances each, "
-            f"train+val+test), projected on 2 principal components of all their "
-            f"embeddings; {res['num_pairs']} pairwise co-BPM alpha=0.5 divergences in "
+            f"train+val+test), projected on 2 principal components of the embeddings of "
+            f"all 120 in-distribution intents; {res['num_pairs']} pairwise co-BPM alpha=0.5 divergences in "
             f"{res['seconds']:.0f} s. Each run takes a random "
             f"{res['num_train_intents_per_domain']} intents per domain: spectral clustering "
             "of them into the domains (affinity exp(-D / median D); accuracy = mean over "
