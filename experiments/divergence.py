@@ -176,6 +176,10 @@ def run_simulation(sizes, kl_sizes, replicates, burnin, samples, mc_draws, seed)
 # ------------------------------------------------------------------ 3. CLINC150
 
 def _load_clinc(data_dir):
+  if not os.path.isabs(data_dir) and not os.path.isdir(data_dir):
+    # Relative to the repository root (notebooks run from notebooks/).
+    data_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                            data_dir)
   feats, labels = [], []
   for split in ("train", "val", "test"):
     z = np.load(os.path.join(data_dir, f"{split}.npz"))
