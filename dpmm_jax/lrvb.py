@@ -32,6 +32,7 @@ The formulas assume a stationary point: CAVI's stopping rule is a relative chang
 bound, not stationarity, so ``covariance`` can polish the solution with a few Newton steps
 in the chart first (``polish``) and reports the gradient norm it was left with.
 """
+import functools
 from typing import Callable, NamedTuple, Optional
 
 import jax
@@ -66,68 +67,74 @@ class LRVBInfo(NamedTuple):
     return bool((eig < 0 or eig != eig) and float(self.cg_residual) < 1e-3)
 
 
-def _flat(objective: Callable, params):
-  flat, unravel = ravel_pytree(params)
-  return (lambda v: objective(unravel(v))), unravel, flat
-
-
 def _check_callable(value, name):
   if not callable(value):
     raise TypeError(f"{name} must be a callable, got {type(value).__name__}.")
 
 
-def newton_polish(objective: Callable, params, num_steps: int = 3):
+def _flat_objective(objective, params, args):
+  flat, unravel = ravel_pytree(params)
+  return (lambda v: objective(unravel(v), *args)), unravel, flat
+
+
+def _check_args(args):
+  if not isinstance(args, tuple):
+    raise TypeError(f"args must be a tuple of extra objective arguments, got "
+                    f"{type(args).__name__}.")
+  return args
+
+
+def newton_polish(objective: Callable, params, num_steps: int = 3, *, args=()):
   """A few damped Newton steps towards a stationary point of ``objective`` (maximised).
 
   Each step solves ``(-H) d = grad`` (dense Hessian; ``H`` must be negative definite
   near a maximum) and halves the step up to 10 times until the objective does not
-  decrease. Use it on a CAVI solution before ``covariance``: CAVI stops on a relative
-  change of its bound, which is not stationarity.
+  decrease (a step that never stops decreasing it is not taken). Use it on a CAVI
+  solution before ``covariance``: CAVI stops on a relative change of its bound, which is
+  not stationarity. Runs as one compiled loop, cached per (objective, shapes): pass data
+  through ``args`` rather than a fresh closure to reuse the compilation.
 
   Args:
-    objective: params pytree -> scalar to maximise.
+    objective: (params, *args) -> scalar to maximise.
     params: starting point (a pytree of arrays).
     num_steps: Newton steps.
+    args: extra arguments of the objective (a tuple of pytrees).
   Returns:
     the polished params (same structure).
   """
   _check_callable(objective, "objective")
-  f, unravel, x = _flat(objective, params)
-  return unravel(_newton(f, x, int(num_steps)))
+  return _newton(objective, params, _check_args(args), num_steps=int(num_steps))
 
 
-def _newton(f, x, num_steps):
-  """``num_steps`` damped Newton steps on a flat objective, as one compiled loop."""
+@functools.partial(jax.jit, static_argnames=("objective", "num_steps"))
+def _newton(objective, params, args, num_steps):
+  f, unravel, x = _flat_objective(objective, params, args)
   value_and_grad = jax.value_and_grad(f)
 
-  @jax.jit
-  def run(x):
-    def step(_, carry):
-      x, value, grad = carry
-      h = jax.hessian(f)(x)
-      d = cho_solve(cho_factor(-0.5 * (h + h.T), lower=True), grad)
-      d = jnp.where(jnp.all(jnp.isfinite(d)), d, 0.0)
+  def step(_, carry):
+    x, value, grad = carry
+    h = jax.hessian(f)(x)
+    d = cho_solve(cho_factor(-0.5 * (h + h.T), lower=True), grad)
+    d = jnp.where(jnp.all(jnp.isfinite(d)), d, 0.0)
 
-      def halve(c):
-        scale, _, _, _, it = c
-        trial = x + 0.5 * scale * d
-        return (0.5 * scale,) + value_and_grad(trial) + (trial, it + 1)
+    def halve(c):
+      scale, _, _, _, it = c
+      trial = x + 0.5 * scale * d
+      return (0.5 * scale,) + value_and_grad(trial) + (trial, it + 1)
 
-      def worse(c):
-        _, new_value, _, _, it = c
-        return (~(jnp.isfinite(new_value) & (new_value >= value))) & (it < 10)
+    def worse(c):
+      _, new_value, _, _, it = c
+      return (~(jnp.isfinite(new_value) & (new_value >= value))) & (it < 10)
 
-      first = value_and_grad(x + d)
-      _, new_value, new_grad, new_x, _ = jax.lax.while_loop(
-          worse, halve, (jnp.ones((), x.dtype),) + first + (x + d, jnp.array(0, jnp.int32)))
-      accept = jnp.isfinite(new_value) & (new_value >= value)
-      return (jnp.where(accept, new_x, x), jnp.where(accept, new_value, value),
-              jnp.where(accept, new_grad, grad))
+    first = value_and_grad(x + d)
+    _, new_value, new_grad, new_x, _ = jax.lax.while_loop(
+        worse, halve, (jnp.ones((), x.dtype),) + first + (x + d, jnp.array(0, jnp.int32)))
+    accept = jnp.isfinite(new_value) & (new_value >= value)
+    return (jnp.where(accept, new_x, x), jnp.where(accept, new_value, value),
+            jnp.where(accept, new_grad, grad))
 
-    value, grad = value_and_grad(x)
-    return jax.lax.fori_loop(0, num_steps, step, (x, value, grad))[0]
-
-  return run(x)
+  value, grad = value_and_grad(x)
+  return unravel(jax.lax.fori_loop(0, num_steps, step, (x, value, grad))[0])
 
 
 def _hvp(f, x):
@@ -135,19 +142,56 @@ def _hvp(f, x):
   return lambda v: jax.jvp(grad, (x,), (v,))[1]
 
 
+def _jacobian(functional, unravel, x, args):
+  if functional is None:
+    return jnp.eye(x.shape[0], dtype=x.dtype)
+  g = lambda v: ravel_pytree(functional(unravel(v), *args))[0]
+  return jax.jacfwd(g)(x)                                   # (G, n)
+
+
+@functools.partial(jax.jit, static_argnames=("objective", "functional"))
+def _dense_core(objective, functional, params, args):
+  f, unravel, x = _flat_objective(objective, params, args)
+  value, grad = jax.value_and_grad(f)(x)
+  h = jax.hessian(f)(x)
+  h = 0.5 * (h + h.T)
+  jac = _jacobian(functional, unravel, x, args)
+  max_eig = jnp.max(jnp.linalg.eigvalsh(h))
+  sol = cho_solve(cho_factor(-h, lower=True), jac.T)       # (n, G)
+  return value, grad, max_eig, jac @ sol
+
+
+@functools.partial(jax.jit, static_argnames=("objective", "functional", "max_iter"))
+def _cg_core(objective, functional, params, args, tol, max_iter):
+  f, unravel, x = _flat_objective(objective, params, args)
+  value, grad = jax.value_and_grad(f)(x)
+  jac = _jacobian(functional, unravel, x, args)
+  hvp = _hvp(f, x)
+  neg = lambda v: -hvp(v)
+  max_iter = x.shape[0] if max_iter is None else max_iter
+  solve = lambda b: jax.scipy.sparse.linalg.cg(neg, b, tol=tol, maxiter=max_iter)[0]
+  sol = jax.vmap(solve)(jac).T                               # (n, G)
+  res = jax.vmap(neg, in_axes=1, out_axes=1)(sol) - jac.T
+  norms = jnp.maximum(jnp.linalg.norm(jac, axis=1), jnp.finfo(x.dtype).tiny)
+  return value, grad, jnp.max(jnp.linalg.norm(res, axis=0) / norms), jac @ sol
+
+
 def covariance(objective: Callable, params, functional: Optional[Callable] = None, *,
-               method: str = "dense", polish: int = 0, cg_tol: float = 1e-8,
+               args=(), method: str = "dense", polish: int = 0, cg_tol: float = 1e-8,
                cg_max_iter: Optional[int] = None):
   """LRVB covariance ``G (-H)^-1 G^T`` of a functional at a stationary point.
 
   Args:
-    objective: params pytree -> scalar, the (profiled) ELBO as a function of the
+    objective: (params, *args) -> scalar, the (profiled) ELBO as a function of the
       variational parameters in an unconstrained chart (any smooth bijective chart gives
       the same answer at a stationary point).
     params: the fitted parameters (pytree of arrays) in that chart.
-    functional: params -> array (or pytree) of posterior expectations ``E_q[g]`` whose
-      covariance is wanted (flattened in ``ravel_pytree`` order); default: the flattened
-      parameters themselves (then the result is ``(-H)^-1``).
+    functional: (params, *args) -> array (or pytree) of posterior expectations
+      ``E_q[g]`` whose covariance is wanted (flattened in ``ravel_pytree`` order);
+      default: the flattened parameters themselves (then the result is ``(-H)^-1``).
+    args: extra arguments (data, prior) of objective and functional. The computation
+      is compiled once per (objective, functional, shapes); module-level functions with
+      the data in ``args`` reuse it across data sets, fresh closures recompile.
     method: "dense" (``jax.hessian``, a Cholesky solve; checks negative definiteness)
       or "cg" (conjugate gradients on Hessian-vector products, one solve per functional
       component; never forms the Hessian).
@@ -157,57 +201,33 @@ def covariance(objective: Callable, params, functional: Optional[Callable] = Non
   Returns:
     (cov (G, G), LRVBInfo), G = number of functional components.
   Raises:
-    TypeError: objective or functional not callable.
+    TypeError: objective or functional not callable, args not a tuple.
     ValueError: unknown method; dense Hessian not negative definite (not a maximum).
   """
   _check_callable(objective, "objective")
   if functional is not None:
     _check_callable(functional, "functional")
+  args = _check_args(args)
   if method not in METHODS:
     raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
   if polish:
-    params = newton_polish(objective, params, polish)
-  f, unravel, x = _flat(objective, params)
-  if functional is None:
-    g = lambda v: v
-  else:
-    g = lambda v: ravel_pytree(functional(unravel(v)))[0]
+    params = newton_polish(objective, params, polish, args=args)
+  dim = int(ravel_pytree(params)[0].shape[0])
   if method == "dense":
-    @jax.jit
-    def pieces(x):
-      value, grad = jax.value_and_grad(f)(x)
-      h = jax.hessian(f)(x)
-      return value, grad, 0.5 * (h + h.T), jax.jacfwd(g)(x)
-
-    value, grad, h, jac = pieces(x)                        # jac: (G, n)
-    max_eig = jnp.max(jnp.linalg.eigvalsh(h))
+    value, grad, max_eig, cov = _dense_core(objective, functional, params, args)
     if not bool(max_eig < 0):
       raise ValueError(
           f"The Hessian of the objective is not negative definite (largest eigenvalue "
           f"{float(max_eig):.3g}): the parameters are not at a maximum (run the fit to "
           "convergence, or use polish=) or the chart has redundant coordinates.")
-    sol = cho_solve(cho_factor(-h, lower=True), jac.T)    # (n, G)
-    residual = jnp.zeros((), x.dtype)
+    residual = jnp.zeros((), cov.dtype)
   else:
-    max_iter = x.shape[0] if cg_max_iter is None else int(cg_max_iter)
-
-    @jax.jit
-    def pieces(x):
-      value, grad = jax.value_and_grad(f)(x)
-      jac = jax.jacfwd(g)(x)
-      neg = lambda v: -_hvp(f, x)(v)
-      solve = lambda b: jax.scipy.sparse.linalg.cg(neg, b, tol=cg_tol, maxiter=max_iter)[0]
-      sol = jax.vmap(solve)(jac).T                         # (n, G)
-      res = jax.vmap(neg, in_axes=1, out_axes=1)(sol) - jac.T
-      norms = jnp.maximum(jnp.linalg.norm(jac, axis=1), jnp.finfo(x.dtype).tiny)
-      return value, grad, jac, sol, jnp.max(jnp.linalg.norm(res, axis=0) / norms)
-
-    value, grad, jac, sol, residual = pieces(x)
-    max_eig = jnp.array(jnp.nan, x.dtype)
-  grad_norm = jnp.max(jnp.abs(grad))
-  cov = jac @ sol
+    value, grad, residual, cov = _cg_core(
+        objective, functional, params, args, cg_tol,
+        None if cg_max_iter is None else int(cg_max_iter))
+    max_eig = jnp.array(jnp.nan, cov.dtype)
   cov = 0.5 * (cov + cov.T)
-  return cov, LRVBInfo(value, grad_norm, max_eig, residual, int(x.shape[0]))
+  return cov, LRVBInfo(value, jnp.max(jnp.abs(grad)), max_eig, residual, dim)
 
 
 def linear_response(var, hess):
