@@ -76,10 +76,13 @@ def _model_dim(det) -> int:
 class FitReport(NamedTuple):
   """What ``fit_detector_with_info`` says about the fit: EM info (``em.EMInfo`` for the
   hierarchical models, ``linear.LinearFitInfo`` for MSP heads, else None), the
-  preprocessing output dimension and the training-set class counts."""
+  preprocessing output dimension and the training-set class counts; ``hyper_se``:
+  ``eb_uncertainty.HyperStandardErrors`` of the EM hyperparameters (inf and flagged on a
+  cap) when the fit was asked for ``standard_errors=True``, else None."""
   em: Any
   dim: int
   counts: np.ndarray
+  hyper_se: Any = None
 
   @property
   def converged(self) -> bool:
@@ -209,8 +212,13 @@ def _check_finite_params(det: "Detector"):
 
 def fit_detector_with_info(x, y, model: str = "coupled", *, num_classes=None,
                            preprocess: bool = True, num_components=None,
-                           chunk_size: int = 65536, key=None, **options):
+                           chunk_size: int = 65536, key=None, standard_errors: bool = False,
+                           **options):
   """Like ``fit_detector`` but also returns a ``FitReport`` (EM trace, convergence).
+
+  ``standard_errors=True`` (hierarchical models) adds observed-information standard
+  errors of the EM hyperparameters to the report (``FitReport.hyper_se``, see
+  ``dpmm_jax.eb_uncertainty``); they are conditional on the plug-in mu0 and Sigma0.
 
   Warns with ``ConvergenceWarning`` when EM stops at ``max_iter`` before its tolerance.
   """
@@ -259,7 +267,13 @@ def fit_detector_with_info(x, y, model: str = "coupled", *, num_classes=None,
   params, info = _fit_model(model, stats, transformed_features, y, key, options)
   det = Detector(model, num_classes, transform, params)
   _check_finite_params(det)
-  report = FitReport(info, int(stats.dim), np.asarray(stats.count))
+  hyper_se = None
+  if standard_errors and model in _HIERARCHICAL:
+    from dpmm_jax import eb_uncertainty  # pylint: disable=g-import-not-at-top
+    hyper_se = eb_uncertainty.hyperparameter_standard_errors(
+        model, stats, params.hyper, df_cap=options.get("df_cap", 1e6),
+        **({"options": options["options"]} if "options" in options else {}))
+  report = FitReport(info, int(stats.dim), np.asarray(stats.count), hyper_se)
   if not report.converged:
     warnings.warn(
         f"EM for the {model!r} model stopped at max_iter={report.num_iters} before the "
