@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dpmm_jax import eb_uncertainty
 from dpmm_jax import preprocess as preprocess_lib
 from dpmm_jax import scores as scores_lib
 from dpmm_jax import stats as stats_lib
@@ -228,6 +229,8 @@ def fit_detector_with_info(x, y, model: str = "coupled", *, num_classes=None,
     raise ValueError(f"Unknown model {model!r}; choose one of {MODELS}.")
   if not isinstance(preprocess, (bool, np.bool_)):
     raise TypeError(f"preprocess must be True or False, got {preprocess!r}.")
+  if not isinstance(standard_errors, (bool, np.bool_)):
+    raise TypeError(f"standard_errors must be True or False, got {standard_errors!r}.")
   chunk_size = validation.positive_int(chunk_size, "chunk_size")
   x = validation.features(x, "x", allow_memmap=True)
   y, num_classes = validation.labels(y, x.shape[0], num_classes)
@@ -269,7 +272,6 @@ def fit_detector_with_info(x, y, model: str = "coupled", *, num_classes=None,
   _check_finite_params(det)
   hyper_se = None
   if standard_errors and model in _HIERARCHICAL:
-    from dpmm_jax import eb_uncertainty  # pylint: disable=g-import-not-at-top
     hyper_se = eb_uncertainty.hyperparameter_standard_errors(
         model, stats, params.hyper, df_cap=options.get("df_cap", 1e6),
         **({"options": options["options"]} if "options" in options else {}))

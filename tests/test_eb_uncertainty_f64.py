@@ -45,11 +45,14 @@ def test_information_is_the_hessian_of_each_models_log_marginal_likelihood():
     assert res.ok
     dim = st.dim
 
-    def lml(t):
+    @jax.jit
+    def lml_jit(t, hyper=hyper, module=module, name=name):
       new = hyper._replace(df=jnp.exp(t[:dim]), mean_concentration=jnp.exp(t[dim:2 * dim]))
       if name == "coupled":
         new = new._replace(gamma_shape=jnp.exp(t[-1]))
-      return float(module.log_marginal_likelihood(new, st))
+      return module.log_marginal_likelihood(new, st)
+
+    lml = lambda t: float(lml_jit(jnp.asarray(t)))
 
     t0 = res.estimate
     p = t0.size
