@@ -340,10 +340,10 @@ def prior_params(priors: Priors) -> Params:
 def fit(params0: Params, y, priors: Priors, *, tol=1e-6, max_iter: int = 500):
   """CAVI from ``params0`` until the relative ELBO change is below ``tol``.
 
-  Each sweep: r = logits(params) (one pass over the data), ELBO(params) =
-  sum logsumexp r - KL, phi = softmax(r), params = m_step(phi). The loop stops when
-  |L_t - L_{t-1}| <= tol max(1, |L_t|) or after ``max_iter`` sweeps; the returned
-  ``params`` are the last M-step's, and the trace ends with their ELBO.
+  Each sweep is one pass over the data: r = logits(params), ELBO(params) =
+  sum logsumexp r - KL (recorded), phi = softmax(r), params = m_step(phi). The loop stops
+  when |L_t - L_{t-1}| <= tol max(1, |L_t|) or after ``max_iter`` M-steps; the ELBO of
+  the returned (last M-step's) ``params`` ends the trace.
 
   Args:
     params0: initial ``Params``.
@@ -352,11 +352,10 @@ def fit(params0: Params, y, priors: Priors, *, tol=1e-6, max_iter: int = 500):
     tol: relative tolerance.
     max_iter: cap on sweeps (static).
   Returns:
-    (Params, Info).
+    (Params, Info): ``Info.elbo_trace[t]`` is the ELBO after t M-steps, t = 0..num_iters.
   """
   dtype = y.dtype
-  l0 = elbo(params0, y, priors)
-  trace = jnp.full((max_iter + 1,), jnp.nan, dtype).at[0].set(l0)
+  trace = jnp.full((max_iter + 1,), jnp.nan, dtype)
 
   def cond(carry):
     _, _, _, it, converged = carry
@@ -364,15 +363,19 @@ def fit(params0: Params, y, priors: Priors, *, tol=1e-6, max_iter: int = 500):
 
   def body(carry):
     params, last, trace_, it, _ = carry
-    resp = responsibilities(params, y)
-    new = m_step(resp, y, priors)
-    new_l = elbo(new, y, priors)
-    converged = jnp.abs(new_l - last) <= tol * jnp.maximum(1.0, jnp.abs(new_l))
-    return new, new_l, trace_.at[it + 1].set(new_l), it + 1, converged
+    r = logits(params, y)
+    value = jnp.sum(jax.nn.logsumexp(r, axis=-1)) - kl_globals(params, priors)
+    converged = jnp.abs(value - last) <= tol * jnp.maximum(1.0, jnp.abs(value))
+    new = m_step(jax.nn.softmax(r, axis=-1), y, priors)
+    return new, value, trace_.at[it].set(value), it + 1, converged
 
-  init = (params0, l0, trace, jnp.array(0, jnp.int32), jnp.array(False))
-  params, _, trace, it, converged = jax.lax.while_loop(cond, body, init)
-  return params, Info(trace, it, converged)
+  init = (params0, jnp.asarray(-jnp.inf, dtype), trace, jnp.array(0, jnp.int32),
+          jnp.array(False))
+  params, last, trace, it, converged = jax.lax.while_loop(cond, body, init)
+  final = elbo(params, y, priors)
+  converged = jnp.logical_or(converged, jnp.abs(final - last)
+                             <= tol * jnp.maximum(1.0, jnp.abs(final)))
+  return params, Info(trace.at[it].set(final), it, converged)
 
 
 # ----------------------------------------------------------------- initialisation
