@@ -14,6 +14,7 @@ The functional layer (``stats``, ``preprocess``, ``conjugate.niw``/``nix``, ``ne
 from dpmm_jax.api import (DPMM_MODELS, MODELS, ConvergenceWarning, Detector, FitReport,
                           class_scores, fit_detector, fit_detector_with_info,
                           outlier_probability, predict, score)
+from dpmm_jax.discovery import Discovery, discover
 from dpmm_jax.serialization import DetectorFileError, load, save
 
 __version__ = "0.1.0"
