@@ -76,7 +76,7 @@ def _compare(x, prior, key, num_draws, num_chains, burn_in, polish=2):
   t0 = time.perf_counter()
   tol = 1e-12 if x.dtype == jnp.float64 else 1e-7
   state, info = gmm.fit_gmm(x, prior.concentration.shape[0], prior=prior, tol=tol,
-                            max_iter=5000, key=key)
+                            max_iter=5000, key=key, num_restarts=4)
   jax.block_until_ready(state)
   t_vb = time.perf_counter() - t0
   t0 = time.perf_counter()
@@ -165,7 +165,7 @@ def run_digits(output_dir, seed=0, num_components=25, num_draws=1000, num_chains
                           burn_in)
   from dpmm_jax import gmm as g
   state, _ = g.fit_gmm(x, 2, prior=prior, tol=1e-12 if x.dtype == jnp.float64 else 1e-7,
-                       max_iter=5000, key=jax.random.PRNGKey(seed))
+                       max_iter=5000, key=jax.random.PRNGKey(seed), num_restarts=4)
   labels = np.asarray(jnp.argmax(g.responsibilities(state, x), -1))
   acc = max(np.mean(labels == y), np.mean(labels != y))
   config = dict(seed=seed, num_points=int(x.shape[0]), dim=num_components,
