@@ -15,6 +15,7 @@ from dpmm_jax.api import (DPMM_MODELS, MODEL_OPTIONS, MODELS, ConvergenceWarning
                           FitReport, FitDiagnosticWarning, IdenticalClassWarning,
                           class_scores, fit_detector, fit_detector_with_info,
                           outlier_probability, predict, score)
+from dpmm_jax.discovery import Discovery, discover
 from dpmm_jax.serialization import DetectorFileError, load, save
 from dpmm_jax import compilation_cache, threads  # per-user compile cache; BLAS threads
 from dpmm_jax import functional  # pure, jittable scoring of a fitted Detector

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dpmm_jax import eb_uncertainty
 from dpmm_jax import preprocess as preprocess_lib
 from dpmm_jax import scores as scores_lib
 from dpmm_jax import stats as stats_lib
@@ -107,6 +108,14 @@ class FitReport(NamedTuple):
 
   def _flag(self, name: str) -> bool:
     return bool((self.diagnostics or {}).get(name, False))
+
+  preprocessing output dimension and the training-set class counts; ``hyper_se``:
+  ``eb_uncertainty.HyperStandardErrors`` of the EM hyperparameters (inf and flagged on a
+  cap) when the fit was asked for ``standard_errors=True``, else None."""
+  em: Any
+  dim: int
+  counts: np.ndarray
+  hyper_se: Any = None
 
   @property
   def converged(self) -> bool:
@@ -329,8 +338,13 @@ def _check_finite_params(det: "Detector"):
 @threads.limit_blas
 def fit_detector_with_info(x, y, model: str = "coupled", *, num_classes=None,
                            preprocess: bool = True, num_components=None,
-                           chunk_size: int = 65536, key=None, **options):
+                           chunk_size: int = 65536, key=None, standard_errors: bool = False,
+                           **options):
   """Like ``fit_detector`` but also returns a ``FitReport`` (EM trace, convergence).
+
+  ``standard_errors=True`` (hierarchical models) adds observed-information standard
+  errors of the EM hyperparameters to the report (``FitReport.hyper_se``, see
+  ``dpmm_jax.eb_uncertainty``); they are conditional on the plug-in mu0 and Sigma0.
 
   Warns with ``ConvergenceWarning`` when EM stops at ``max_iter`` before its tolerance.
   """
@@ -346,6 +360,8 @@ def fit_detector_with_info(x, y, model: str = "coupled", *, num_classes=None,
         "preprocess, num_components, chunk_size, key).")
   if not isinstance(preprocess, (bool, np.bool_)):
     raise TypeError(f"preprocess must be True or False, got {preprocess!r}.")
+  if not isinstance(standard_errors, (bool, np.bool_)):
+    raise TypeError(f"standard_errors must be True or False, got {standard_errors!r}.")
   chunk_size = validation.positive_int(chunk_size, "chunk_size")
   x = validation.features(x, "x", allow_memmap=True)
   y, num_classes = validation.labels(y, x.shape[0], num_classes)
@@ -397,6 +413,13 @@ def fit_detector_with_info(x, y, model: str = "coupled", *, num_classes=None,
   for problem in report.problems:
     warnings.warn(f"Fitting the {model!r} model: {problem}; see FitReport and "
                   "docs/failure_modes.md.", FitDiagnosticWarning, stacklevel=2)
+
+  hyper_se = None
+  if standard_errors and model in _HIERARCHICAL:
+    hyper_se = eb_uncertainty.hyperparameter_standard_errors(
+        model, stats, params.hyper, df_cap=options.get("df_cap", 1e6),
+        **({"options": options["options"]} if "options" in options else {}))
+  report = FitReport(info, int(stats.dim), np.asarray(stats.count), hyper_se)
   if not report.converged:
     warnings.warn(
         f"EM for the {model!r} model stopped at max_iter={report.num_iters} before the "
