@@ -254,7 +254,8 @@ def plot_results(output_dir: str) -> List[str]:
   plt = common.pyplot()
   ps = sorted({r["p"] for r in records})
   qs = sorted({r["q"] for r in records})
-  cells = [(p, q) for p in ps for q in qs]
+  cells = [(p, q) for p in ps for q in qs
+           if any(r["p"] == p and r["q"] == q for r in records)]
   fig, axes = plt.subplots(3, 1, figsize=(max(6.0, 0.55 * len(cells) + 2), 8.5), sharex=True)
   for ax, key, name in zip(axes, ("ari", "ami", "fmi"), ("ARI", "AMI", "FMI")):
     data = [[r[key] for r in records if r["p"] == p and r["q"] == q] for p, q in cells]
@@ -272,8 +273,9 @@ def plot_results(output_dir: str) -> List[str]:
   plt.close(fig)
   fig, ax = plt.subplots(figsize=(6, 4))
   for p in ps:
-    ms = [np.median([r["m"] for r in records if r["p"] == p and r["q"] == q]) for q in qs]
-    ts = [np.median([r["seconds"] for r in records if r["p"] == p and r["q"] == q]) for q in qs]
+    qp = [q for q in qs if (p, q) in cells]
+    ms = [np.median([r["m"] for r in records if r["p"] == p and r["q"] == q]) for q in qp]
+    ts = [np.median([r["seconds"] for r in records if r["p"] == p and r["q"] == q]) for q in qp]
     ax.plot(ms, ts, marker="o", label=f"p = {p}")
   ax.set_xscale("log")
   ax.set_yscale("log")

@@ -138,3 +138,14 @@ def test_invalid_inputs_raise(planted_detector):
     dpmm_jax.discover(det, x_test, robust_data=x_test)
   with pytest.raises(TypeError, match="Discovery"):
     discovery.predict_proba(det, x_test)
+
+
+def test_experiment_binary_smoke(tmp_path):
+  from experiments import discovery as experiment
+  result = experiment.run(str(tmp_path), qs=(0.1,), ps=(2,), num_reps=1, clinc_dir=None)
+  (rec,) = result["ss1_records"]
+  assert rec["m"] == 100 and 0.0 <= rec["ari"] <= 1.0 and rec["iterations"] >= 1
+  for name in ("discovery_ss1_runs.csv", "discovery_ss1_summary.md", "discovery.json",
+               "discovery_ss1_metrics.png", "discovery_ss1_time.png"):
+    assert (tmp_path / name).exists(), name
+  assert "ARI" in result["ss1_table"]
