@@ -99,23 +99,18 @@ class FitDiagnosticWarning(UserWarning):
 class FitReport(NamedTuple):
   """What ``fit_detector_with_info`` says about the fit: EM info (``em.EMInfo`` for the
   hierarchical models, ``linear.LinearFitInfo`` for MSP heads, else None), the
-  preprocessing output dimension, the training-set class counts and ``diagnostics``
-  ({name: bool}, hierarchical models only; see the properties)."""
-  em: Any
-  dim: int
-  counts: np.ndarray
-  diagnostics: Optional[Dict[str, bool]] = None
-
-  def _flag(self, name: str) -> bool:
-    return bool((self.diagnostics or {}).get(name, False))
-
-  preprocessing output dimension and the training-set class counts; ``hyper_se``:
+  preprocessing output dimension, the training-set class counts, ``diagnostics``
+  ({name: bool}, hierarchical models only; see the properties) and ``hyper_se``:
   ``eb_uncertainty.HyperStandardErrors`` of the EM hyperparameters (inf and flagged on a
   cap) when the fit was asked for ``standard_errors=True``, else None."""
   em: Any
   dim: int
   counts: np.ndarray
+  diagnostics: Optional[Dict[str, bool]] = None
   hyper_se: Any = None
+
+  def _flag(self, name: str) -> bool:
+    return bool((self.diagnostics or {}).get(name, False))
 
   @property
   def converged(self) -> bool:
@@ -409,17 +404,16 @@ def fit_detector_with_info(x, y, model: str = "coupled", *, num_classes=None,
     params = params._replace(log_counts=jnp.log(jnp.asarray(counts, params.log_counts.dtype)))
   det = Detector(model, num_classes, transform, params)
   _check_finite_params(det)
-  report = FitReport(info, int(stats.dim), counts, _diagnostics(model, params, stats))
-  for problem in report.problems:
-    warnings.warn(f"Fitting the {model!r} model: {problem}; see FitReport and "
-                  "docs/failure_modes.md.", FitDiagnosticWarning, stacklevel=2)
-
   hyper_se = None
   if standard_errors and model in _HIERARCHICAL:
     hyper_se = eb_uncertainty.hyperparameter_standard_errors(
         model, stats, params.hyper, df_cap=options.get("df_cap", 1e6),
         **({"options": options["options"]} if "options" in options else {}))
-  report = FitReport(info, int(stats.dim), np.asarray(stats.count), hyper_se)
+  report = FitReport(info, int(stats.dim), counts, _diagnostics(model, params, stats),
+                     hyper_se)
+  for problem in report.problems:
+    warnings.warn(f"Fitting the {model!r} model: {problem}; see FitReport and "
+                  "docs/failure_modes.md.", FitDiagnosticWarning, stacklevel=2)
   if not report.converged:
     warnings.warn(
         f"EM for the {model!r} model stopped at max_iter={report.num_iters} before the "
