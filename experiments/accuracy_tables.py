@@ -12,12 +12,12 @@ Two real-feature problems:
 Each problem runs through ``experiments.benchmark`` (every model), and a small table
 compares the tied model's prior scale (empirical Bayes vs the paper's total covariance)
 with RMDS. Outputs: ``<output_dir>/benchmark_{clinc150,digits}.{json,md,csv}``,
-``<output_dir>/accuracy_tied_prior.{json,md}`` and figures in ``--figure_dir``.
+``<output_dir>/accuracy_tied_prior.{json,md}`` and figures in ``--accuracy_figure_dir``.
 
 The one command that regenerates the tables (about 15 min on 2 CPU cores):
 
   python -m experiments.accuracy_tables --output_dir=docs/results \
-      --figure_dir=docs/figures
+      --accuracy_figure_dir=docs/figures
 """
 import os
 import shutil
@@ -35,10 +35,10 @@ from dpmm_jax import metrics
 from experiments import benchmark
 from experiments import common
 
-flags.adopt_module_key_flags(common)
-_FIGURE_DIR = flags.DEFINE_string("figure_dir", None, "Where to put the figures "
+common.define_flags("seed", "output_dir", "quick", "models")
+_FIGURE_DIR = flags.DEFINE_string("accuracy_figure_dir", None, "Where to put the figures "
                                   "(default: --output_dir).")
-_CLINC_DIR = flags.DEFINE_string("clinc_dir", "data/clinc150_minilm",
+_CLINC_DIR = flags.DEFINE_string("accuracy_clinc_dir", "data/clinc150_minilm",
                                  "Directory of the CLINC150 feature files.")
 
 CLINC_FILES = dict(train="train.npz", test="test.npz",
@@ -160,12 +160,11 @@ def run(output_dir: Optional[str], *, problems: Sequence[str] = ("digits", "clin
 
 def main(argv):
   del argv
-  flags_ = flags.FLAGS
-  problems = ("digits",) if flags_.quick else ("digits", "clinc150")
-  run(flags_.output_dir, problems=problems, clinc_dir=_CLINC_DIR.value,
-      figure_dir=_FIGURE_DIR.value, models=common.check_models(flags_.models or
-                                                                dpmm_jax.MODELS),
-      seed=flags_.seed)
+  problems = ("digits",) if common.quick() else ("digits", "clinc150")
+  run(common.output_dir_flag(), problems=problems, clinc_dir=_CLINC_DIR.value,
+      figure_dir=_FIGURE_DIR.value,
+      models=common.models_flag(),
+      seed=common.seed())
 
 
 if __name__ == "__main__":

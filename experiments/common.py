@@ -86,6 +86,7 @@ ACCESSOR_FLAGS = {
     "setup_from_flags": ("float64", "output_dir"),
     "seed": ("seed",),
     "seeds": ("seed", "num_seeds"),
+    "num_seeds_flag": ("num_seeds",),
     "output_dir_flag": ("output_dir",),
     "plot_only": ("plot_only",),
     "quick": ("quick",),
@@ -167,6 +168,11 @@ def seeds(default_num: int) -> List[int]:
     raise ValueError(f"--num_seeds must be >= 1, got {n}.")
   base = _value("seed")
   return [base + i for i in range(n)]
+
+
+def num_seeds_flag() -> Optional[int]:
+  """--num_seeds as given (None: the binary's default)."""
+  return _value("num_seeds")
 
 
 def output_dir_flag() -> Optional[str]:

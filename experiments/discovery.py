@@ -39,13 +39,13 @@ import dpmm_jax
 from dpmm_jax import discovery
 from experiments import common
 
-flags.adopt_module_key_flags(common)
+common.define_flags("seed", "num_seeds", "float64", "output_dir", "plot_only", "quick")
 _QS = flags.DEFINE_list("discovery_qs", None,
                         "Sample-size multipliers q of simulation study 1 (default: the "
                         "paper's 0.5,1,2.5,5,10; --quick: 0.5,1).")
 _PS = flags.DEFINE_list("discovery_ps", None,
                         "Dimensions p of simulation study 1 (default 2,3,5,7,10; --quick: 2,5).")
-_CLINC_DIR = flags.DEFINE_string("clinc_dir", "data/clinc150_minilm",
+_CLINC_DIR = flags.DEFINE_string("discovery_clinc_dir", "data/clinc150_minilm",
                                  "Directory of the CLINC150 feature files ('' skips the case).")
 
 PAPER_QS = (0.5, 1.0, 2.5, 5.0, 10.0)

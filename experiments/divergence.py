@@ -39,7 +39,7 @@ from dpmm_jax import divergence as dv
 from experiments import common
 from experiments import divergence_problems as dp
 
-flags.adopt_module_key_flags(common)
+common.define_flags("seed", "float64", "output_dir", "plot_only", "quick")
 _PARTS = flags.DEFINE_list("divergence_parts", ["sanity", "simulation", "clinc"],
                            "Parts to run: sanity, simulation, clinc.")
 _DATA_DIR = flags.DEFINE_string("divergence_data_dir", "data/clinc150_minilm",

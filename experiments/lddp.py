@@ -39,7 +39,7 @@ import numpy as np
 from dpmm_jax import lddp
 from experiments import common
 
-flags.adopt_module_key_flags(common)
+common.define_flags("seed", "num_seeds", "float64", "output_dir", "plot_only", "quick")
 _FIGURE_DIR = flags.DEFINE_string(
     "lddp_figure_dir", None, "Directory for the PNG figures (default: --output_dir).")
 _SCENE_SIZE = flags.DEFINE_integer("lddp_scene_size", None,
@@ -47,7 +47,7 @@ _SCENE_SIZE = flags.DEFINE_integer("lddp_scene_size", None,
                                    "--quick 24).")
 _NUM_SEGMENTS = flags.DEFINE_integer("lddp_num_segments", 4, "Segments per synthetic scene.")
 _SEPARATION = flags.DEFINE_float(
-    "separation", 2.0, "Distance between segment colour means in noise standard deviations.")
+    "lddp_separation", 2.0, "Distance between segment colour means in noise standard deviations.")
 _PHOTO_SIZE = flags.DEFINE_integer("lddp_photo_size", None,
                                    "Side of the downscaled photographs (default 128; "
                                    "--quick 32).")

@@ -38,7 +38,7 @@ import numpy as np
 
 from experiments import common
 
-flags.adopt_module_key_flags(common)
+common.define_flags("seed", "num_seeds", "float64", "output_dir", "plot_only", "quick")
 _PARTS = flags.DEFINE_list("lrvb_parts", ["simulation", "digits", "timing", "hyper_coverage"],
                            "Parts to run: simulation, digits, timing, hyper_coverage.")
 _NUM_POINTS = flags.DEFINE_integer("lrvb_num_points", 10_000,
@@ -425,7 +425,7 @@ def main(argv):
     plot(output_dir)
     return
   run(output_dir, parts=tuple(_PARTS.value), quick=common.quick(),
-      num_seeds=common._NUM_SEEDS.value, seed=common.seed(),
+      num_seeds=common.num_seeds_flag(), seed=common.seed(),
       num_points=_NUM_POINTS.value, num_draws=_NUM_DRAWS.value,
       num_chains=_NUM_CHAINS.value)
 
