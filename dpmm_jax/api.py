@@ -32,12 +32,12 @@ _FULL_STATS = ("indep_rmds", "full")
 # Models whose Sigma0 is the average within-class covariance (it must be non-singular).
 _HIERARCHICAL = ("full", "diag", "coupled")
 MSP_TEMPERATURE = 1000.0
-_EM_OPTIONS = ("df", "mean_concentration", "tol", "max_iter", "df_cap")
+_EM_OPTIONS = ("df", "mean_concentration", "tol", "max_iter", "df_cap", "accelerate")
 _MSP_OPTIONS = ("num_steps", "learning_rate", "weight_decay", "batch_size")
 # The keyword options each model's fit accepts (``**options`` of fit_detector).
 MODEL_OPTIONS = {
     "mds": ("rtol",), "rmds": ("rtol",), "indep_rmds": ("pseudo_count", "rtol"),
-    "msp": _MSP_OPTIONS, "temp_msp": _MSP_OPTIONS, "tied": ("rtol",),
+    "msp": _MSP_OPTIONS, "temp_msp": _MSP_OPTIONS, "tied": ("rtol", "prior_scale"),
     "full": _EM_OPTIONS, "diag": _EM_OPTIONS,
     "coupled": _EM_OPTIONS + ("gamma_shape", "options"),
 }

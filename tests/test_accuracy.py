@@ -86,9 +86,13 @@ def test_class_of_identical_points_is_fitted_as_a_singleton(model):
   then could not score any point, independent RMDS, full and diag shrank its covariance
   ~20-fold.)"""
   x, y, x1, y1, xt = _identical_class_problem()
+  # Plain EM for both: SQUAREM's extrapolations amplify the round-off differences of the
+  # two fits' statistics into different stopping points on a flat likelihood; this test
+  # is about how the class is summarised, not about the EM path.
+  opts = {"accelerate": False} if "accelerate" in dpmm_jax.MODEL_OPTIONS[model] else {}
   with pytest.warns(dpmm_jax.api.IdenticalClassWarning, match="identical"):
-    det = dpmm_jax.fit_detector(x, y, model)
-  single = dpmm_jax.fit_detector(x1, y1, model)
+    det = dpmm_jax.fit_detector(x, y, model, **opts)
+  single = dpmm_jax.fit_detector(x1, y1, model, **opts)
   cs = np.asarray(dpmm_jax.class_scores(det, xt), np.float64)
   ref = np.asarray(dpmm_jax.class_scores(single, xt), np.float64)
   if model in dpmm_jax.api.DPMM_MODELS:
