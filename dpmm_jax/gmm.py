@@ -294,8 +294,8 @@ def chart_elbo(chart: Chart, prior: Prior, x):
   trace = jnp.sum((p.scale @ u) * u, axis=(-2, -1))                  # tr(Psi_p W)
   log_det_p = linalg.chol_log_det(jnp.linalg.cholesky(p.scale))      # constant
   wishart_part = (0.5 * (df - p.df) * special.multidigamma(0.5 * df, dim)
-                  + special.multigammaln(0.5 * p.df, dim)
-                  - special.multigammaln(0.5 * df, dim)
+                  + jsp.multigammaln(0.5 * p.df, dim)
+                  - jsp.multigammaln(0.5 * df, dim)
                   + 0.5 * p.df * (-log_det_w - log_det_p) + 0.5 * df * (trace - dim))
   kl = (dirichlet.kl_divergence(alpha, prior.concentration)
         + jnp.sum(mean_part + wishart_part))

@@ -151,8 +151,8 @@ def kl_divergence(q: NIW, p: NIW):
   w = solve_triangular(chol_q, chol_p, lower=True)          # tr(Psi_p Psi_q^-1) = |w|_F^2
   trace = jnp.sum(w * w, axis=(-2, -1))
   wishart_part = (0.5 * (q.df - p.df) * special.multidigamma(0.5 * q.df, dim)
-                  + special.multigammaln(0.5 * p.df, dim)
-                  - special.multigammaln(0.5 * q.df, dim)
+                  + jsp.multigammaln(0.5 * p.df, dim)
+                  - jsp.multigammaln(0.5 * q.df, dim)
                   + 0.5 * p.df * (linalg.chol_log_det(chol_q) - linalg.chol_log_det(chol_p))
                   + 0.5 * q.df * (trace - dim))
   return mean_part + wishart_part

@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.scipy import special as jsp
 from jax.scipy.linalg import cho_solve
 from jax.scipy.linalg import solve_triangular
 
@@ -62,7 +63,7 @@ def _log_normalizer(w: Wishart, chol_inv_scale):
   """log Z = nu D/2 log 2 - nu/2 log|Psi| + log Gamma_D(nu/2)."""
   dim = w.inv_scale.shape[-1]
   return (0.5 * w.df * dim * _LOG2 - 0.5 * w.df * linalg.chol_log_det(chol_inv_scale)
-          + special.multigammaln(0.5 * w.df, dim))
+          + jsp.multigammaln(0.5 * w.df, dim))
 
 
 def log_density(w: Wishart, precision):
