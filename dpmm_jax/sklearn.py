@@ -52,7 +52,8 @@ class _Base(BaseEstimator):
                random_state=None, chunk_size: int = 65536, df=None,
                mean_concentration=None, gamma_shape=None, tol=None, max_iter=None,
                df_cap=None, options=None, rtol=None, pseudo_count=None, num_steps=None,
-               learning_rate=None, weight_decay=None, batch_size=None):
+               learning_rate=None, weight_decay=None, batch_size=None, accelerate=None,
+               prior_scale=None):
     self.model = model
     self.preprocess = preprocess
     self.num_components = num_components
@@ -73,6 +74,8 @@ class _Base(BaseEstimator):
     self.learning_rate = learning_rate
     self.weight_decay = weight_decay
     self.batch_size = batch_size
+    self.accelerate = accelerate
+    self.prior_scale = prior_scale
 
   def _model_options(self) -> Dict[str, Any]:
     return {name: getattr(self, name) for name in _MODEL_OPTION_NAMES
