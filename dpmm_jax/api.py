@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dpmm_jax import compilation_cache
 from dpmm_jax import eb_uncertainty
 from dpmm_jax import preprocess as preprocess_lib
 from dpmm_jax import scores as scores_lib
@@ -330,7 +331,17 @@ def _check_finite_params(det: "Detector"):
           "degenerate for it (see docs/failure_modes.md).")
 
 
-@threads.limit_blas
+def _public_call(fn):
+  """Runs a public-API function with the BLAS pools limited (``threads.limited``) and
+  jaxlib's per-load cache warning hidden (``compilation_cache.quiet_cache_loads``)."""
+  @functools.wraps(fn)
+  def wrapped(*args, **kwargs):
+    with threads.limited(), compilation_cache.quiet_cache_loads():
+      return fn(*args, **kwargs)
+  return wrapped
+
+
+@_public_call
 def fit_detector_with_info(x, y, model: str = "coupled", *, num_classes=None,
                            preprocess: bool = True, num_components=None,
                            chunk_size: int = 65536, key=None, standard_errors: bool = False,
@@ -420,7 +431,7 @@ def fit_detector_with_info(x, y, model: str = "coupled", *, num_classes=None,
         "relative change of the log marginal likelihood met tol; the detector uses the "
         "last iterate. Raise max_iter, or inspect "
         "fit_detector_with_info(...)[1].em.log_marginal_trace.",
-        ConvergenceWarning, stacklevel=3)  # the caller, past threads.limit_blas
+        ConvergenceWarning, stacklevel=3)  # the caller, past _public_call
   return det, report
 
 
@@ -514,26 +525,26 @@ def _evaluate(det: Detector, x, chunk_size: int):
   return class_scores_, scores
 
 
-@threads.limit_blas
+@_public_call
 def score(det: Detector, x, chunk_size: int = 2048):
   """(M,) OOD score, higher = more in-distribution (the DPMM score C~ for DPMM models)."""
   return _evaluate(det, x, chunk_size)[1]
 
 
-@threads.limit_blas
+@_public_call
 def class_scores(det: Detector, x, chunk_size: int = 2048):
   """(M, K) per-class scores (log N_k + log p(x | D_k) for DPMM models; -MD_k for MDS,
   RMD_k for RMDS; logits for MSP heads)."""
   return _evaluate(det, x, chunk_size)[0]
 
 
-@threads.limit_blas
+@_public_call
 def predict(det: Detector, x, chunk_size: int = 2048):
   """(M,) predicted class index."""
   return jnp.argmax(class_scores(det, x, chunk_size), axis=-1)
 
 
-@threads.limit_blas
+@_public_call
 def outlier_probability(det: Detector, x, alpha: float = 1.0, chunk_size: int = 2048):
   """(M,) p(y = K+1 | x) under the DPMM with concentration ``alpha`` (DPMM models only)."""
   _check_detector(det)

@@ -16,16 +16,36 @@ The directory is ``$DPMM_JAX_COMPILATION_CACHE`` when that names a path, else
 compile in at least ``MIN_COMPILE_SECS`` are stored (jax's default is 1 s, which would
 leave out most scorers). ``disable()`` switches it off before the first compilation;
 delete the directory to clear it (jax does not bound its size).
+
+jaxlib logs a C++ warning ("Assume version compatibility. PjRt-IFRT does not track XLA
+executable versions.") each time it loads a program from the cache: four lines on stderr
+in every process after the first. ``quiet_cache_loads()`` raises jaxlib's C++ log
+threshold to ERROR while a public-API call runs (and restores it after), but only when
+this module enabled the cache and the C++ threshold is jax's default (``TF_CPP_MIN_LOG_LEVEL``
+unset or 1, ``jax_logging_level`` unset): a user's own setting is respected, and C++
+warnings outside the library's calls are untouched.
 """
+import contextlib
 import os
+import threading
 from typing import Optional
 
 import jax
+
+try:
+  from jax._src.lib import utils as _jaxlib_utils  # absl_set_min_log_level
+except ImportError:  # pragma: no cover - a jaxlib without the setter: nothing is silenced
+  _jaxlib_utils = None
 
 ENV_VAR = "DPMM_JAX_COMPILATION_CACHE"
 MIN_COMPILE_SECS = 0.2
 _OFF = ("0", "off", "false", "no")
 _enabled_dir = [None]
+# jaxlib's C++ log thresholds: ERROR, and WARNING, the default that ``import jax`` sets
+# (TF_CPP_MIN_LOG_LEVEL=1 unless the user set it).
+_ABSL_ERROR, _ABSL_WARNING = 2, 1
+_quiet_lock = threading.Lock()
+_quiet_depth = [0]
 
 
 def default_dir() -> str:
@@ -70,6 +90,34 @@ def disable() -> None:
   if enabled_dir():
     jax.config.update("jax_compilation_cache_dir", None)
   _enabled_dir[0] = None
+
+
+def _may_silence() -> bool:
+  return (_jaxlib_utils is not None
+          and hasattr(_jaxlib_utils, "absl_set_min_log_level")
+          and enabled_dir() is not None
+          and os.environ.get("TF_CPP_MIN_LOG_LEVEL", "1").strip() == "1"
+          and jax.config.jax_logging_level in (None, "NOTSET"))
+
+
+@contextlib.contextmanager
+def quiet_cache_loads():
+  """Hides jaxlib's per-load cache warning for the duration (re-entrant; see the module
+  docstring for when it does nothing)."""
+  if not _may_silence():
+    yield
+    return
+  with _quiet_lock:
+    if _quiet_depth[0] == 0:
+      _jaxlib_utils.absl_set_min_log_level(_ABSL_ERROR)
+    _quiet_depth[0] += 1
+  try:
+    yield
+  finally:
+    with _quiet_lock:
+      _quiet_depth[0] -= 1
+      if _quiet_depth[0] == 0:
+        _jaxlib_utils.absl_set_min_log_level(_ABSL_WARNING)
 
 
 enable_default()

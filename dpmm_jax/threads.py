@@ -107,12 +107,3 @@ def limited(num_threads=_UNSET):
       if _state["depth"] == 0:
         _state["context"].restore_original_limits()
         _state["context"] = None
-
-
-def limit_blas(fn):
-  """Decorator: runs ``fn`` inside ``limited()``."""
-  @functools.wraps(fn)
-  def wrapped(*args, **kwargs):
-    with limited():
-      return fn(*args, **kwargs)
-  return wrapped

@@ -116,3 +116,27 @@ def test_the_test_suites_cache_setting_wins():
     assert compilation_cache.enabled_dir() is None
   else:   # no suite cache: the library's per-user default (unless opted out)
     assert jax.config.jax_compilation_cache_dir in (None, compilation_cache.enabled_dir())
+
+
+def test_a_warm_cache_loads_without_cpp_warnings(tmp_path):
+  """jaxlib logs one C++ warning per program loaded from the cache; the public API hides
+  them while it runs: the second process's stderr is empty (it held four such lines
+  before)."""
+  code = ("import numpy as np, dpmm_jax\n"
+          "x = np.random.default_rng(0).normal(size=(200, 8)).astype(np.float32)\n"
+          "det = dpmm_jax.fit_detector(x, np.repeat(np.arange(4), 50), 'full')\n"
+          "print(dpmm_jax.score(det, x[:5]).shape)")
+  env = {k: v for k, v in os.environ.items()
+         if k not in ("JAX_COMPILATION_CACHE_DIR", "TF_CPP_MIN_LOG_LEVEL")}
+  env.update({compilation_cache.ENV_VAR: str(tmp_path / "cache"),
+              "PYTHONPATH": ROOT + os.pathsep + env.get("PYTHONPATH", "")})
+
+  def run(extra=()):
+    out = subprocess.run([sys.executable, "-c", code], env={**env, **dict(extra)},
+                         capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.strip().endswith("(5,)"), out.stdout
+    return out.stderr
+
+  run()                                                  # fills the cache
+  assert os.listdir(tmp_path / "cache")
+  assert run() == ""                                     # loads from it, silently
