@@ -115,11 +115,9 @@ def posterior_covariance(params: discovery.Params, y, priors: discovery.Priors, 
     Covariances (``.sd("novelty_weight")`` etc.).
   """
   y = jnp.asarray(y)
-  chart = to_chart(params)
-  if polish:
-    chart = lrvb.newton_polish(_objective, chart, polish, args=(y, priors))
-  cov, info = lrvb.covariance(_objective, chart, _functionals, args=(y, priors),
-                              method=method)
+  cov, info, chart = lrvb.polished_covariance(_objective, to_chart(params), _functionals,
+                                              args=(y, priors), method=method,
+                                              polish=polish)
   polished = from_chart(chart)
   return Covariances(cov, _mean_field(polished), info, polished)
 

@@ -383,11 +383,9 @@ def lrvb_covariance(state: State, prior: Prior, x, *, method: str = "dense",
     Covariances (``.block("means")`` etc.).
   """
   x = jnp.asarray(x)
-  chart = to_chart(state)
-  if polish:
-    chart = lrvb.newton_polish(chart_elbo, chart, polish, args=(prior, x))
-  cov, info = lrvb.covariance(chart_elbo, chart, chart_functionals, args=(prior, x),
-                              method=method)
+  cov, info, chart = lrvb.polished_covariance(chart_elbo, to_chart(state),
+                                              chart_functionals, args=(prior, x),
+                                              method=method, polish=polish)
   return Covariances(cov, info, from_chart(chart))
 
 

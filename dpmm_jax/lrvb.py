@@ -230,6 +230,25 @@ def covariance(objective: Callable, params, functional: Optional[Callable] = Non
   return cov, LRVBInfo(value, jnp.max(jnp.abs(grad)), max_eig, residual, dim)
 
 
+def polished_covariance(objective: Callable, params, functional: Optional[Callable] = None,
+                        *, args=(), method: str = "dense", polish: int = 0):
+  """``covariance`` after ``polish`` Newton steps, also returning the polished params.
+
+  The same as ``covariance(..., polish=polish)`` but the caller gets the point the
+  covariance was taken at (to report the polished fit alongside it).
+
+  Args:
+    objective, params, functional, args, method: as in ``covariance``.
+    polish: ``newton_polish`` steps before the covariance (0: none).
+  Returns:
+    (cov (G, G), LRVBInfo, polished params (same structure as ``params``)).
+  """
+  if polish:
+    params = newton_polish(objective, params, polish, args=args)
+  cov, info = covariance(objective, params, functional, args=args, method=method)
+  return cov, info, params
+
+
 def linear_response(var, hess):
   """Eq. 10 in mean parameters: ``(I - V H)^-1 V``.
 
