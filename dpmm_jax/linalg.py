@@ -1,6 +1,8 @@
 """Small linear-algebra building blocks shared by the models (no explicit inverses)."""
+import jax
 import jax.numpy as jnp
 from jax.scipy.linalg import cho_solve
+from jax.scipy.linalg import solve_triangular
 
 
 def default_rtol(dtype) -> float:
@@ -63,6 +65,34 @@ def mahalanobis_sq(x, loc, white, centre=None):
   lw = (loc - centre) @ white
   return (jnp.sum(xw * xw, -1)[:, None] - 2.0 * xw @ lw.T
           + jnp.sum(lw * lw, -1)[None, :]).clip(min=0.0)
+
+
+def class_mahalanobis_sq(x, loc, factor, inverted: bool = False):
+  """(M, K) squared Mahalanobis distances |L_k^-1 (x_m - loc_k)|^2, one class at a time.
+
+  A ``jax.lax.map`` over the K classes, so there is no (M, K, D) temporary beyond one
+  class. With ``inverted=False`` each class is a triangular solve with M right-hand
+  sides; with ``inverted=True`` the caller passes the inverse factors L_k^-1 and each
+  class is one (M, D) x (D, D) product (XLA's CPU triangular solve inside the loop was
+  ~30x slower than this product at M = 1024, D = 3).
+
+  Args:
+    x: (M, D) points.
+    loc: (K, D) class locations.
+    factor: (K, D, D) lower Cholesky factors L_k (or L_k^-1 when ``inverted``).
+    inverted: whether ``factor`` holds the inverse factors.
+  Returns:
+    (M, K) squared distances.
+  """
+  def one_class(args):
+    factor_k, loc_k = args
+    if inverted:
+      z = (x - loc_k) @ factor_k.T                                # (M, D)
+      return jnp.sum(z * z, axis=-1)
+    z = solve_triangular(factor_k, (x - loc_k).T, lower=True)     # (D, M)
+    return jnp.sum(z * z, axis=0)
+
+  return jax.lax.map(one_class, (factor, loc)).T                  # (M, K)
 
 
 def chol_log_det(chol):

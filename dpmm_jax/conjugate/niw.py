@@ -119,12 +119,7 @@ def expected_log_likelihood(niw: NIW, x):
   chol = jnp.linalg.cholesky(niw.scale)
   e_log_det = (linalg.chol_log_det(chol) - special.multidigamma(0.5 * niw.df, dim)
                - dim * jnp.log(2.0))
-
-  def one_class(chol_k, loc_k):
-    z = solve_triangular(chol_k, (x - loc_k).T, lower=True)     # (D, M)
-    return jnp.sum(z * z, axis=0)
-
-  dist = jax.lax.map(lambda a: one_class(*a), (chol, niw.loc)).T   # (M, K)
+  dist = linalg.class_mahalanobis_sq(x, niw.loc, chol)             # (M, K)
   return -0.5 * (dim * _LOG_2PI + e_log_det + dim / niw.mean_concentration
                  + niw.df * dist)
 

@@ -123,16 +123,9 @@ def expected_log_likelihood(nw: NormalWishart, x):
   trace = jnp.sum(m * m, axis=(-2, -1))
 
   # Whitening by the inverse Cholesky factors (K small D x D triangular inverses) and one
-  # (M, D) x (D, D) product per class: XLA's CPU triangular solve with M right-hand sides
-  # inside a loop was ~30x slower than this product at M = 1024, D = 3.
+  # (M, D) x (D, D) product per class (see ``linalg.class_mahalanobis_sq``).
   chol_psi_inv = solve_triangular(chol_psi, eye, lower=True)          # (K, D, D)
-
-  def one_class(args):
-    inv_k, loc_k = args
-    z = (x - loc_k) @ inv_k.T                                    # (M, D)
-    return jnp.sum(z * z, axis=-1)
-
-  dist = jax.lax.map(one_class, (chol_psi_inv, nw.loc)).T      # (M, K)
+  dist = linalg.class_mahalanobis_sq(x, nw.loc, chol_psi_inv, inverted=True)   # (M, K)
   return 0.5 * (-dim * _LOG_2PI + e_log_det - nw.df * (dist + trace))
 
 
