@@ -242,6 +242,24 @@ def _sandwich(per_class, a, keep):
   return cov[np.ix_(keep, keep)]
 
 
+def _capped_sandwich(per_class, a, at_cap):
+  """Sandwich covariance of the p = at_cap.size leading parameters, capped ones held fixed.
+
+  per_class: (K, n) per-class estimating functions psi_k; a: (n, n) their Jacobian A, the
+  first p coordinates the parameters and the rest fixed moment rows (mu0, Sigma0).
+  Capped coordinates are dropped (their rows and columns) and get variance inf.
+  Returns (cov (p, p), ok: all free entries finite).
+  """
+  p = at_cap.size
+  free = np.flatnonzero(~at_cap)
+  keep = np.concatenate([free, np.arange(p, a.shape[0])])
+  sub = _sandwich(per_class[:, keep], a[np.ix_(keep, keep)], np.arange(free.size))
+  cov = np.zeros((p, p))
+  cov[np.ix_(free, free)] = sub
+  cov[at_cap, at_cap] = np.inf
+  return cov, bool(np.all(np.isfinite(sub)))
+
+
 # ----------------------------------------------------------------------------- public
 def hyperparameter_standard_errors(model: str, stats, hyper, *, prior_moments: bool = False,
                                    df_cap: float = 1e6, kappa_cap: float = full.KAPPA_CAP,
@@ -276,15 +294,7 @@ def hyperparameter_standard_errors(model: str, stats, hyper, *, prior_moments: b
     estimate = np.asarray(_full_chart(hyper), np.float64)
     if prior_moments:
       per_class, a = (np.asarray(v, np.float64) for v in _full_sandwich_pieces(hyper, stats))
-      free = np.flatnonzero(~at_cap)
-      # Capped chart coordinates are held fixed: drop their rows and columns.
-      keep_rows = np.concatenate([free, np.arange(2, a.shape[0])])
-      sub = _sandwich(per_class[:, keep_rows], a[np.ix_(keep_rows, keep_rows)],
-                      np.arange(free.size))
-      cov = np.zeros((2, 2))
-      cov[np.ix_(free, free)] = sub
-      cov[at_cap, at_cap] = np.inf
-      ok = bool(np.all(np.isfinite(sub)))
+      cov, ok = _capped_sandwich(per_class, a, at_cap)
     else:
       cov, ok = _invert(np.asarray(_full_information(hyper, stats), np.float64), at_cap)
   elif model == "diag":
@@ -300,14 +310,7 @@ def hyperparameter_standard_errors(model: str, stats, hyper, *, prior_moments: b
       idx = np.array([d, dim + d])
       caps = at_cap[idx]
       if prior_moments:
-        free = np.flatnonzero(~caps)
-        keep = np.concatenate([free, [2, 3]])
-        sub = _sandwich(per_class[:, d][:, keep], a[d][np.ix_(keep, keep)],
-                        np.arange(free.size))
-        block = np.zeros((2, 2))
-        block[np.ix_(free, free)] = sub
-        block[caps, caps] = np.inf
-        ok_d = bool(np.all(np.isfinite(sub)))
+        block, ok_d = _capped_sandwich(per_class[:, d], a[d], caps)
       else:
         block, ok_d = _invert(blocks[d], caps)
       cov[np.ix_(idx, idx)] = block
