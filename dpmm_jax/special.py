@@ -40,6 +40,25 @@ def _series_or_direct(z, series, direct):
                    direct(jnp.minimum(z, _SERIES_THRESHOLD)))
 
 
+# The asymptotic series' coefficients, each a polynomial in 1/z^2 (Horner order, low first).
+# log z - psi(z) = 1/(2z) + sum_k B_2k / (2k z^2k), k = 1..8: B_2k / (2k).
+_DIGAMMA_SERIES = (1.0 / 12, -1.0 / 120, 1.0 / 252, -1.0 / 240, 1.0 / 132, -691.0 / 32760,
+                   1.0 / 12, -3617.0 / 8160)
+# 1/z - psi'(z) = -1/(2 z^2) - sum_k B_2k / z^(2k+1), k = 1..8: B_2k.
+_TRIGAMMA_SERIES = (1.0 / 6, -1.0 / 30, 1.0 / 42, -1.0 / 30, 5.0 / 66, -691.0 / 2730,
+                    7.0 / 6, -3617.0 / 510)
+# Stirling: lgamma remainder r(z) = sum_k B_2k / (2k (2k - 1) z^(2k-1)), k = 1..4.
+_STIRLING_SERIES = (1.0 / 12, -1.0 / 360, 1.0 / 1260, -1.0 / 1680)
+
+
+def _horner(x, coeffs):
+  """c_0 + x (c_1 + x (c_2 + ... + x c_n)) for coeffs = (c_0, ..., c_n)."""
+  acc = coeffs[-1]
+  for c in reversed(coeffs[:-1]):
+    acc = c + x * acc
+  return acc
+
+
 def log_minus_digamma(z):
   """log(z) - digamma(z) > 0, stable for large z (it behaves like 1/(2z)).
 
@@ -48,12 +67,8 @@ def log_minus_digamma(z):
   Returns:
     Array of the same shape.
   """
-  def series(inv):
-    inv2 = inv * inv
-    # log z - psi(z) = 1/(2z) + sum_k B_2k / (2k z^2k), through B_16.
-    return inv * (0.5 + inv * (1.0 / 12 + inv2 * (-1.0 / 120 + inv2 * (
-        1.0 / 252 + inv2 * (-1.0 / 240 + inv2 * (1.0 / 132 + inv2 * (
-            -691.0 / 32760 + inv2 * (1.0 / 12 + inv2 * (-3617.0 / 8160)))))))))
+  # log z - psi(z) = 1/(2z) + sum_k B_2k / (2k z^2k), through B_16.
+  series = lambda inv: inv * (0.5 + inv * _horner(inv * inv, _DIGAMMA_SERIES))
   return _series_or_direct(z, series, lambda s: jnp.log(s) - jsp.digamma(s))
 
 
@@ -68,17 +83,14 @@ def inv_minus_trigamma(z):
   def series(inv):
     inv2 = inv * inv
     # 1/z - psi'(z) = -1/(2 z^2) - sum_k B_2k / z^(2k+1), through B_16.
-    return -inv2 * (0.5 + inv * (1.0 / 6 + inv2 * (-1.0 / 30 + inv2 * (
-        1.0 / 42 + inv2 * (-1.0 / 30 + inv2 * (5.0 / 66 + inv2 * (
-            -691.0 / 2730 + inv2 * (7.0 / 6 + inv2 * (-3617.0 / 510)))))))))
+    return -inv2 * (0.5 + inv * _horner(inv2, _TRIGAMMA_SERIES))
   return _series_or_direct(z, series, lambda s: 1.0 / s - jsp.polygamma(1, s))
 
 
 def _stirling_remainder(z):
   """lgamma(z) - [(z - 1/2) log z - z + log(2 pi)/2] for z >= 10 (error < 1e-12)."""
   inv = 1.0 / z
-  inv2 = inv * inv
-  return inv * (1.0 / 12 + inv2 * (-1.0 / 360 + inv2 * (1.0 / 1260 + inv2 * (-1.0 / 1680))))
+  return inv * _horner(inv * inv, _STIRLING_SERIES)
 
 
 def log_gamma_ratio_excess(z, h):
