@@ -253,6 +253,16 @@ def _float_matrix(matrix, name: str):
     return dim, matrix.astype(jnp.result_type(matrix.dtype, jnp.float32))
 
 
+def _scale_variates(key, df, scale, num_samples):
+    """Checks (df, scale, num_samples) of a (D, D)-scale sampler and draws its Bartlett
+    variates in the floating dtype of ``scale``: (chi_square (S, D), normals (S*D*D,),
+    scale (D, D))."""
+    dim, scale = _float_matrix(scale, "scale")
+    num_samples = _check_count(num_samples, "num_samples")
+    _check_df(df, dim)
+    return _bartlett_variates(key, df, dim, num_samples, scale.dtype) + (scale,)
+
+
 def sample_bartlett_factor(key: jax.Array, df, dim: int, num_samples: int,
                            dtype=jnp.float32) -> jax.Array:
     r"""Lower-triangular Bartlett factors ``A`` with ``A A^T ~ Wishart(df, I_D)``.
@@ -305,11 +315,7 @@ def sample_wishart(key: jax.Array, df, scale: jax.Array, num_samples: int) -> ja
       ValueError: if ``scale`` is not square, a concrete ``df`` is ``<= D - 1`` or
         ``num_samples < 1``.
     """
-    dim, scale = _float_matrix(scale, "scale")
-    num_samples = _check_count(num_samples, "num_samples")
-    _check_df(df, dim)
-    return _wishart_core(*_bartlett_variates(key, df, dim, num_samples, scale.dtype),
-                         scale)
+    return _wishart_core(*_scale_variates(key, df, scale, num_samples))
 
 
 def sample_inverse_wishart(key: jax.Array, df, scale: jax.Array,
@@ -339,11 +345,7 @@ def sample_inverse_wishart(key: jax.Array, df, scale: jax.Array,
       ValueError: if ``scale`` is not square, a concrete ``df`` is ``<= D - 1`` or
         ``num_samples < 1``.
     """
-    dim, scale = _float_matrix(scale, "scale")
-    num_samples = _check_count(num_samples, "num_samples")
-    _check_df(df, dim)
-    return _inverse_wishart_core(
-        *_bartlett_variates(key, df, dim, num_samples, scale.dtype), scale)
+    return _inverse_wishart_core(*_scale_variates(key, df, scale, num_samples))
 
 
 def _check_niw_args(mu0, sigma0, nu0, kappa0) -> int:
