@@ -89,6 +89,12 @@ def _validate_scores(x: Any, name: str) -> np.ndarray:
     return arr
 
 
+def _validate_pair(scores_in: Any, scores_out: Any) -> Tuple[np.ndarray, np.ndarray]:
+    """``_validate_scores`` of the ID (M,) and OOD (M_ood,) scores, in that order."""
+    return (_validate_scores(scores_in, "scores_in"),
+            _validate_scores(scores_out, "scores_out"))
+
+
 def auroc(scores_in: Any, scores_out: Any) -> float:
     r"""Area under the ROC curve, ID positive, computed exactly (Mann-Whitney U).
 
@@ -111,8 +117,8 @@ def auroc(scores_in: Any, scores_out: Any) -> float:
     Raises:
       ValueError: if an input is not 1-D, is empty or holds NaN/inf entries.
     """
-    s_in = _validate_scores(scores_in, "scores_in")
-    s_out = np.sort(_validate_scores(scores_out, "scores_out"))
+    s_in, s_out = _validate_pair(scores_in, scores_out)
+    s_out = np.sort(s_out)
     num_below = np.searchsorted(s_out, s_in, side="left")  # OOD scores < s_in[i]
     num_at_or_below = np.searchsorted(s_out, s_in, side="right")  # <= s_in[i]
     # Integer counts summed in int64 are exact; halve the tie count at the end.
@@ -159,8 +165,7 @@ def fpr_at_tpr(scores_in: Any, scores_out: Any, tpr: float = 0.95, *,
       ValueError: if an input is not 1-D, is empty or holds NaN/inf entries, if
         ``tpr`` is not in (0, 1], or ``positive`` is not ``"ood"`` or ``"in"``.
     """
-    s_in = _validate_scores(scores_in, "scores_in")
-    s_out = _validate_scores(scores_out, "scores_out")
+    s_in, s_out = _validate_pair(scores_in, scores_out)
     tpr = float(tpr)
     if not 0.0 < tpr <= 1.0:
         raise ValueError(f"tpr must be in (0, 1], got {tpr}.")
@@ -189,8 +194,7 @@ def roc_curve(scores_in: Any, scores_out: Any, *,
     Raises:
       ValueError: as :func:`fpr_at_tpr`.
     """
-    s_in = _validate_scores(scores_in, "scores_in")
-    s_out = _validate_scores(scores_out, "scores_out")
+    s_in, s_out = _validate_pair(scores_in, scores_out)
     if _check_positive(positive) == "ood":
         pos, neg, sign = -s_out, -s_in, -1.0
     else:
@@ -268,9 +272,7 @@ def aupr_in(scores_in: Any, scores_out: Any) -> float:
     Raises:
       ValueError: if an input is not 1-D, is empty or holds NaN/inf entries.
     """
-    s_in = _validate_scores(scores_in, "scores_in")
-    s_out = _validate_scores(scores_out, "scores_out")
-    return _average_precision(s_in, s_out)
+    return _average_precision(*_validate_pair(scores_in, scores_out))
 
 
 def aupr_out(scores_in: Any, scores_out: Any) -> float:
@@ -290,8 +292,7 @@ def aupr_out(scores_in: Any, scores_out: Any) -> float:
     Raises:
       ValueError: if an input is not 1-D, is empty or holds NaN/inf entries.
     """
-    s_in = _validate_scores(scores_in, "scores_in")
-    s_out = _validate_scores(scores_out, "scores_out")
+    s_in, s_out = _validate_pair(scores_in, scores_out)
     return _average_precision(-s_out, -s_in)
 
 
@@ -337,8 +338,7 @@ def ood_metrics(scores_in: Any, scores_out: Any, *,
       ValueError: if an input is not 1-D, is empty or holds NaN/inf entries, or
         ``positive`` is not ``"ood"`` or ``"in"``.
     """
-    s_in = _validate_scores(scores_in, "scores_in")
-    s_out = _validate_scores(scores_out, "scores_out")
+    s_in, s_out = _validate_pair(scores_in, scores_out)
     return {
         "auroc": auroc(s_in, s_out),
         "fpr95": fpr_at_tpr(s_in, s_out, tpr=0.95, positive=positive),
