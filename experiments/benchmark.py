@@ -222,8 +222,7 @@ def plot_results(output_dir: str) -> str:
     ax.set_ylabel(label)
   fig.suptitle(cfg.get("title") or f"Benchmark: K = {cfg['num_classes']}, D = {cfg['dim']}")
   fig.tight_layout()
-  path = common.save_figure(fig, os.path.join(output_dir, "benchmark.png"))
-  plt.close(fig)
+  path = common.save_and_close(fig, os.path.join(output_dir, "benchmark.png"))
   return path
 
 

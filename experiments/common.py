@@ -535,6 +535,14 @@ def save_figure(fig, path: str) -> str:
   return path
 
 
+def save_and_close(fig, path: str) -> str:
+  """``save_figure`` then closes ``fig`` (the experiments write each figure once)."""
+  save_figure(fig, path)
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  plt.close(fig)
+  return path
+
+
 def line_with_errors(ax, model: str, x, mean, se, **kwargs):
   """One model's mean ± standard error line in its colour and style."""
   mean = np.asarray(mean, np.float64)

@@ -210,8 +210,7 @@ def plot_results(output_dir: str):
                fontsize=10)
   ax.legend(fontsize=7, loc="upper right")
   fig.tight_layout()
-  paths = [common.save_figure(fig, os.path.join(output_dir, "covariance_fm.png"))]
-  plt.close(fig)
+  paths = [common.save_and_close(fig, os.path.join(output_dir, "covariance_fm.png"))]
 
   fig, axes = plt.subplots(1, 3, figsize=(15, 4.2),
                            gridspec_kw={"width_ratios": [1.4, 1, 1]})
@@ -247,8 +246,7 @@ def plot_results(output_dir: str):
   fig.suptitle("A class's variances are jointly larger or smaller than average "
                "(motivates the coupled model's gamma_k)", fontsize=11)
   fig.tight_layout()
-  paths.append(common.save_figure(fig, os.path.join(output_dir, "covariance_scales.png")))
-  plt.close(fig)
+  paths.append(common.save_and_close(fig, os.path.join(output_dir, "covariance_scales.png")))
   return paths
 
 

@@ -209,8 +209,7 @@ def plot_results(output_dir: str) -> str:
   fig.text(0.5, -0.02, "\n".join(textwrap.wrap(cfg["source"], 190)), ha="center",
            va="top", fontsize=8)
   fig.tight_layout()
-  path = common.save_figure(fig, os.path.join(output_dir, "dim_sweep.png"))
-  plt.close(fig)
+  path = common.save_and_close(fig, os.path.join(output_dir, "dim_sweep.png"))
   return path
 
 

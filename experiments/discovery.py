@@ -269,8 +269,7 @@ def plot_results(output_dir: str) -> List[str]:
   axes[-1].set_xlabel("scenario (dimension p, size multiplier q)")
   reps = result["config"]["num_reps"]
   axes[0].set_title(f"VBrand on simulation study 1 ({reps} replications per scenario)")
-  paths = [common.save_figure(fig, os.path.join(output_dir, "discovery_ss1_metrics.png"))]
-  plt.close(fig)
+  paths = [common.save_and_close(fig, os.path.join(output_dir, "discovery_ss1_metrics.png"))]
   fig, ax = plt.subplots(figsize=(6, 4))
   for p in ps:
     qp = [q for q in qs if (p, q) in cells]
@@ -283,8 +282,7 @@ def plot_results(output_dir: str) -> List[str]:
   ax.set_ylabel("discover() seconds (median, compiled)")
   ax.set_title("VBrand run time vs M (4 restarts, loaded 2-core CPU)")
   ax.legend()
-  paths.append(common.save_figure(fig, os.path.join(output_dir, "discovery_ss1_time.png")))
-  plt.close(fig)
+  paths.append(common.save_and_close(fig, os.path.join(output_dir, "discovery_ss1_time.png")))
   return paths
 
 

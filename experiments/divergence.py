@@ -414,8 +414,7 @@ def plot_results(output_dir, figure_dir, parts=("sanity", "simulation", "clinc")
         ax.set_ylabel("x2")
         ax.legend(loc="upper right", markerscale=3)
       fig.suptitle("co-BPM sanity tests: last sampled partition of one chain")
-      common.save_figure(fig, os.path.join(figure_dir, "divergence_sanity.png"))
-      plt.close(fig)
+      common.save_and_close(fig, os.path.join(figure_dir, "divergence_sanity.png"))
     if part == "simulation":
       truth = res["truth"]
       fig, axes = plt.subplots(2, 4, figsize=(15, 7))
@@ -442,8 +441,7 @@ def plot_results(output_dir, figure_dir, parts=("sanity", "simulation", "clinc")
           ax.legend()
       fig.suptitle("co-BPM vs kNN: mean absolute error (± sd) over replicates")
       fig.tight_layout()
-      common.save_figure(fig, os.path.join(figure_dir, "divergence_simulation.png"))
-      plt.close(fig)
+      common.save_and_close(fig, os.path.join(figure_dir, "divergence_simulation.png"))
     if part == "clinc":
       fig, axes = plt.subplots(1, 2, figsize=(11, 4))
       names = list(res["results"])
@@ -456,8 +454,7 @@ def plot_results(output_dir, figure_dir, parts=("sanity", "simulation", "clinc")
         ax.set_title(title)
       fig.suptitle(f"CLINC150: {res['num_intents']} intents into "
                    f"{len(res['domain_names'])} domains")
-      common.save_figure(fig, os.path.join(figure_dir, "divergence_clinc.png"))
-      plt.close(fig)
+      common.save_and_close(fig, os.path.join(figure_dir, "divergence_clinc.png"))
 
 
 def main(argv):

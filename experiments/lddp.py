@@ -359,8 +359,7 @@ def plot_results(output_dir: str, figure_dir: Optional[str] = None):
     ax.set_yticks([])
     ax.grid(False)
   fig.suptitle(f"Synthetic scene (seed {seed0}): segments found by each method", fontsize=10)
-  paths.append(common.save_figure(fig, os.path.join(figure_dir, "lddp_synthetic.png")))
-  plt.close(fig)
+  paths.append(common.save_and_close(fig, os.path.join(figure_dir, "lddp_synthetic.png")))
 
   # Photographs: a figure like the paper's Figure 2 (segments in their mean colour).
   names = photos["config"]["photos"]
@@ -385,8 +384,7 @@ def plot_results(output_dir: str, figure_dir: Optional[str] = None):
       ax.grid(False)
   fig.suptitle("Segmentations, each segment in its mean colour", fontsize=10)
   fig.tight_layout(rect=(0, 0, 1, 0.98))
-  paths.append(common.save_figure(fig, os.path.join(figure_dir, "lddp_photos.png")))
-  plt.close(fig)
+  paths.append(common.save_and_close(fig, os.path.join(figure_dir, "lddp_photos.png")))
 
   # Sorted cluster usage for the largest K0 (paper's Figure 3).
   big = max(ks)
@@ -399,8 +397,7 @@ def plot_results(output_dir: str, figure_dir: Optional[str] = None):
     ax.set_xlabel("cluster (sorted by size)")
     ax.set_ylabel("pixels assigned")
     ax.set_title(f"{name}, K0 = {big}: {int(np.sum(usage > 0))} clusters used", fontsize=9)
-  paths.append(common.save_figure(fig, os.path.join(figure_dir, "lddp_usage.png")))
-  plt.close(fig)
+  paths.append(common.save_and_close(fig, os.path.join(figure_dir, "lddp_usage.png")))
 
   # Bound traces of the photograph fits (never decreasing).
   fig, ax = plt.subplots(figsize=(5.5, 3.4))
@@ -413,8 +410,7 @@ def plot_results(output_dir: str, figure_dir: Optional[str] = None):
   ax.set_xscale("symlog", linthresh=10)
   ax.set_title("LDDP bound over CAVI sweeps (photographs)")
   ax.legend()
-  paths.append(common.save_figure(fig, os.path.join(figure_dir, "lddp_bound.png")))
-  plt.close(fig)
+  paths.append(common.save_and_close(fig, os.path.join(figure_dir, "lddp_bound.png")))
   return paths
 
 

@@ -280,8 +280,7 @@ def _plot_examples(plt, output_dir) -> Optional[str]:
   fig.suptitle("Example training sets (dots, 2-sd ellipses of the true class covariances)"
                " and OOD points (x)")
   fig.tight_layout()
-  out = common.save_figure(fig, os.path.join(output_dir, "synthetic_examples.png"))
-  plt.close(fig)
+  out = common.save_and_close(fig, os.path.join(output_dir, "synthetic_examples.png"))
   return out
 
 
@@ -343,8 +342,7 @@ def _plot_scatter(plt, result, output_dir) -> Optional[str]:
   fig.suptitle("Synthetic data: DPMM AUROC against the baseline, one dot per seed and "
                "setting\n(row 1: nu0 sweep vs RMDS; row 2: N_k sweep at nu0 = "
                f"{result['config']['nk_sweep_nu0']:g} vs independent RMDS)", fontsize=10)
-  out = common.save_figure(fig, os.path.join(output_dir, "synthetic_scatter.png"))
-  plt.close(fig)
+  out = common.save_and_close(fig, os.path.join(output_dir, "synthetic_scatter.png"))
   return out
 
 
@@ -401,8 +399,7 @@ def _plot_sweep(plt, result, output_dir, sweep) -> Optional[str]:
            f"{cfg['num_ood']} OOD points per seed. MSP heads (AUROC < 0.5 here) are "
            "left out of the plot; see the tables.", ha="center", fontsize=9)
   fig.tight_layout()
-  out = common.save_figure(fig, os.path.join(output_dir, f"synthetic_{sweep}.png"))
-  plt.close(fig)
+  out = common.save_and_close(fig, os.path.join(output_dir, f"synthetic_{sweep}.png"))
   return out
 
 
