@@ -20,6 +20,7 @@ from dpmm_jax import em
 from dpmm_jax import stats as stats_lib
 from dpmm_jax.models import coupled, diag, full
 from tests import coupled_reference
+from tests.test_stats import _numpy_stats
 
 
 def _labelled(seed, n, num_classes, dim, offset=10.0, sort=False):
@@ -33,23 +34,8 @@ def _labelled(seed, n, num_classes, dim, offset=10.0, sort=False):
   return x.astype(np.float32), y
 
 
-def _reference_stats(x, y, num_classes):
-  x = np.asarray(x, np.float64)
-  dim = x.shape[1]
-  count = np.zeros(num_classes)
-  mean = np.zeros((num_classes, dim))
-  scatter = np.zeros((num_classes, dim, dim))
-  for k in range(num_classes):
-    xk = x[y == k]
-    count[k] = len(xk)
-    if len(xk):
-      mean[k] = xk.mean(0)
-      scatter[k] = (xk - mean[k]).T @ (xk - mean[k])
-  return count, mean, scatter
-
-
 def _assert_matches_reference(got, x, y, num_classes, rtol=2e-5):
-  count, mean, scatter = _reference_stats(x, y, num_classes)
+  count, mean, scatter, _, _ = _numpy_stats(x, y, num_classes)
   np.testing.assert_array_equal(np.asarray(got.count), count)
   np.testing.assert_allclose(got.mean, mean, rtol=rtol, atol=rtol * (np.abs(mean).max() + 1))
   scale = np.abs(scatter.sum(0)).max()
