@@ -15,18 +15,12 @@ from scipy import stats
 from dpmm_jax import stats as stats_lib
 from dpmm_jax.conjugate import niw
 from dpmm_jax.conjugate import nix
+from tests.test_niw import EPS32
+from tests.test_niw import MC_SIGMAS
+from tests.test_niw import _as64
+from tests.test_niw import _f32
+from tests.test_niw import _within_mc
 from tests.test_special import ref_log_minus_digamma
-
-EPS32 = float(np.finfo(np.float32).eps)
-MC_SIGMAS = 5.0
-
-
-def _f32(*arrays):
-  return tuple(jnp.asarray(a, jnp.float32) for a in arrays)
-
-
-def _as64(tree):
-  return jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), tree)
 
 
 def _labelled_data(rng, num_classes, dim, sizes):
@@ -66,12 +60,6 @@ def sample_nix(rng, p, size):
                            random_state=rng)
   mu = loc + np.sqrt(var / kappa) * rng.normal(size=var.shape)
   return mu, var
-
-
-def _within_mc(samples, value, sigmas=MC_SIGMAS):
-  mean = samples.mean(0)
-  se = samples.std(0, ddof=1) / np.sqrt(samples.shape[0])
-  return np.abs(mean - value) < sigmas * se, mean, se
 
 
 # --------------------------------------------------------------------- posterior update
