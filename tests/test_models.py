@@ -268,23 +268,35 @@ def _tied_shaped_data(seed=0, num_classes=8, dim=3, n_per_class=40, spread=4.0):
   return x.astype(np.float32), y.astype(np.int32), x_test.astype(np.float32), spread
 
 
+def _gaps_to_tied(model, params_at, tied_params, x_test, inliers):
+  """Distance of ``model`` to the tied model at nu0 = 30, 1e3, 1e6 (1e6: the default cap).
+
+  params_at: nu0 -> the model's Params. Returns (gaps, rhos): per nu0, the largest
+  |score - tied score| and |prior predictive - tied prior predictive| over the
+  ``inliers`` rows of x_test (nats), and the Spearman correlation of all the scores.
+  """
+  t_class, t_prior = tied.log_predictive(tied_params, x_test)
+  t_score = scores_lib.dpmm_score(tied_params.log_counts, t_class, t_prior)
+  gaps, rhos = [], []
+  for df in (30.0, 1e3, 1e6):
+    p = params_at(df)
+    m_class, m_prior = model.log_predictive(p, x_test)
+    m_score = scores_lib.dpmm_score(p.log_counts, m_class, m_prior)
+    gaps.append(max(np.max(np.abs(np.asarray(m_score - t_score)[inliers])),
+                    np.max(np.abs(np.asarray(m_prior - t_prior)[inliers]))))
+    rhos.append(_spearman(m_score, t_score))
+  return gaps, rhos
+
+
 def test_full_model_tends_to_tied_model_as_nu0_grows():
   x, y, xt, spread = _tied_shaped_data()
   num_classes = int(y.max()) + 1
   st = stats_lib.from_labels(x, y, num_classes)
   tp = tied.fit(st, prior_scale="total")   # the hierarchical models' limit: Sigma0/kappa0 = total
-  t_class, t_prior = tied.log_predictive(tp, xt)
-  t_score = scores_lib.dpmm_score(tp.log_counts, t_class, t_prior)
   kappa0 = 1.0 / (1.0 + spread ** 2)
-  inliers = slice(0, 40)
-  gaps, rhos = [], []
-  for df in (30.0, 1e3, 1e6):                      # 1e6: the default cap on nu0
-    p = full.params_from_hyper(_full_hyper(st, df, kappa0), st)
-    f_class, f_prior = full.log_predictive(p, xt)
-    f_score = scores_lib.dpmm_score(p.log_counts, f_class, f_prior)
-    gaps.append(max(np.max(np.abs(np.asarray(f_score - t_score)[inliers])),
-                    np.max(np.abs(np.asarray(f_prior - t_prior)[inliers]))))
-    rhos.append(_spearman(f_score, t_score))
+  gaps, rhos = _gaps_to_tied(
+      full, lambda df: full.params_from_hyper(_full_hyper(st, df, kappa0), st), tp, xt,
+      inliers=slice(0, 40))
   # Student-t -> Gaussian: log St - log N ~ (maha^2 - 2 (D + 2) maha + D (D + 2)) / (4 nu)
   # shrinks like 1/nu0. For an inlier the score is dominated by its own class and the
   # prior predictive, both at moderate maha (<~ 30); far-away classes (maha ~ 1e3) differ
@@ -306,19 +318,11 @@ def test_diag_model_tends_to_tied_model_in_preprocessed_space():
   z, zt = preprocess.apply(t, x), preprocess.apply(t, xt)
   st = stats_lib.from_labels(z, y, K, full=False)
   tp = tied.fit(st, prior_scale="total")   # the hierarchical models' limit: Sigma0/kappa0 = total
-  t_class, t_prior = tied.log_predictive(tp, zt)
   s0 = stats_lib.pooled_variance(st)
-  inliers = slice(0, 20)
-  t_score = scores_lib.dpmm_score(tp.log_counts, t_class, t_prior)
-  gaps, rhos = [], []
-  for df in (30.0, 1e3, 1e6):
-    h = _diag_hyper(st, df, 1.0)._replace(mean_concentration=s0)
-    p = diag.params_from_hyper(h, st)
-    d_class, d_prior = diag.log_predictive(p, zt)
-    d_score = scores_lib.dpmm_score(p.log_counts, d_class, d_prior)
-    gaps.append(max(np.max(np.abs(np.asarray(d_score - t_score)[inliers])),
-                    np.max(np.abs(np.asarray(d_prior - t_prior)[inliers]))))
-    rhos.append(_spearman(d_score, t_score))
+  gaps, rhos = _gaps_to_tied(
+      diag, lambda df: diag.params_from_hyper(
+          _diag_hyper(st, df, 1.0)._replace(mean_concentration=s0), st), tp, zt,
+      inliers=slice(0, 20))
   # The gap shrinks like 1/nu0 (float64: 3.7, 0.31, 3.4e-4 nats).
   assert gaps[1] < 0.2 * gaps[0] and gaps[2] < 0.01 * gaps[1], gaps
   assert gaps[-1] < 1e-3 and gaps[0] > 1.0, gaps
