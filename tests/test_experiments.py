@@ -27,6 +27,13 @@ def _png_ok(path):
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def _check_and_remove_figures(out, names):
+  """``_png_ok`` each figure, then delete it (a later redraw must write it again)."""
+  for name in names:
+    _png_ok(os.path.join(out, name))
+    os.remove(os.path.join(out, name))
+
+
 def test_demo_table():
   res = demo.run(seeds=(0,), models=("rmds", "tied"), num_classes=3,
                  num_train_per_class=6, num_test_per_class=4)
@@ -61,9 +68,7 @@ def test_synthetic_smoke(tmp_path):
     assert os.path.exists(os.path.join(out, name)), name
   figs = ["synthetic_examples.png", "synthetic_scatter.png", "synthetic_nu0.png",
           "synthetic_nk.png"]
-  for name in figs:
-    _png_ok(os.path.join(out, name))
-    os.remove(os.path.join(out, name))
+  _check_and_remove_figures(out, figs)
   # Figures redraw from the saved results alone.
   paths = synthetic.plot_results(out)
   assert sorted(os.path.basename(p) for p in paths) == sorted(figs)
@@ -136,8 +141,7 @@ def test_benchmark_smoke(tmp_path):
                   fpr_positive="id")
   assert set(saved["results"]) == {"rmds", "diag", "msp"}
   assert "fit_s" in saved["results"]["rmds"]
-  _png_ok(os.path.join(out, "benchmark.png"))
-  os.remove(os.path.join(out, "benchmark.png"))
+  _check_and_remove_figures(out, ["benchmark.png"])
   benchmark.plot_results(out)
   _png_ok(os.path.join(out, "benchmark.png"))
 
@@ -166,8 +170,7 @@ def test_dim_sweep_smoke_builtin(tmp_path):
   # A smoke run at a tiny size (accuracy ~0.3): the metrics exist and are numbers.
   assert all(np.isfinite(r["near_auroc"]) and np.isfinite(r["far_auroc"])
              for r in res["records"])
-  _png_ok(os.path.join(out, "dim_sweep.png"))
-  os.remove(os.path.join(out, "dim_sweep.png"))
+  _check_and_remove_figures(out, ["dim_sweep.png"])
   dim_sweep.plot_results(out)
   _png_ok(os.path.join(out, "dim_sweep.png"))
 
@@ -217,9 +220,7 @@ def test_covariance_analysis_smoke(tmp_path):
   assert s["fm_real_median"] > s["fm_null_median"]
   assert s["scale_log_sd_real"] > s["scale_log_sd_null"]
   assert s["corr_scale_vs_true_gamma"] > 0.5
-  for name in ("covariance_fm.png", "covariance_scales.png"):
-    _png_ok(os.path.join(out, name))
-    os.remove(os.path.join(out, name))
+  _check_and_remove_figures(out, ("covariance_fm.png", "covariance_scales.png"))
   covariance_analysis.plot_results(out)
   _png_ok(os.path.join(out, "covariance_fm.png"))
 
