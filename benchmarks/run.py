@@ -586,6 +586,10 @@ def main(argv=None):
                       "beside), both comma-separated, or 'none'")
   parser.add_argument("--no-cold-start", action="store_true",
                       help="skip the cold-start rows (K=100, D=64, N_k=50)")
+  parser.add_argument("--cold-problem", default=",".join(map(str, COLD_PROBLEM)),
+                      help="K,D,N_k of the cold-start problem")
+  parser.add_argument("--cold-models", default=",".join(COLD_MODELS),
+                      help="comma-separated models of the cold-start rows")
   args = parser.parse_args(argv)
   e2e_runs = tuple(v == "busy" for v in args.end_to_end.split(",") if v in ("alone", "busy"))
 
@@ -612,9 +616,10 @@ def main(argv=None):
     log(f"  peak RSS so far {rows[-1]['peak_rss_gb']:.2f} GB (load {load_average()})")
   cold_rows = []
   if not args.no_cold_start:
-    log(f"cold start K={COLD_PROBLEM[0]} D={COLD_PROBLEM[1]} N_k={COLD_PROBLEM[2]} "
+    cold_problem = tuple(int(v) for v in args.cold_problem.split(","))
+    log(f"cold start K={cold_problem[0]} D={cold_problem[1]} N_k={cold_problem[2]} "
         f"(load {load_average()})")
-    cold_rows = cold_start(log)
+    cold_rows = cold_start(log, tuple(args.cold_models.split(",")), cold_problem)
   text = markdown(rows, info, peak) + markdown_public(rows, cold_rows)
   print(text)
   if args.markdown:

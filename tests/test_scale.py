@@ -334,11 +334,17 @@ def test_benchmark_script_runs_a_tiny_grid(tmp_path):
   bench = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(bench)
   out = tmp_path / "table.md"
+  # The smallest sizes: one end-to-end run (no CPU-bound process beside), one cold-start
+  # model on a tiny problem.
   rows = bench.main(["--grid", "40,3,6,500", "--workdir", str(tmp_path / "data"),
-                     "--chunk-rows", "128", "--score-chunk", "16", "--markdown", str(out)])
+                     "--chunk-rows", "128", "--score-chunk", "16", "--markdown", str(out),
+                     "--end-to-end", "alone", "--cold-problem", "4,3,6",
+                     "--cold-models", "full"])
   assert len(rows) == 1 and set(rows[0]["models"]) == {"tied", "diag", "coupled", "full"}
   for name, r in rows[0]["models"].items():
     assert r["auroc"] > 0.5 and r["score_s"] > 0, name      # OOD classes beat chance
   text = out.read_text()
   assert "| 40 | 3 | 6 | 500 |" in text and "| 40 | 3 | 6 | full |" in text
+  assert "| 40 | 3 | 6 | 500 | nothing | full |" in text          # end to end
+  assert "| full | 4 | 3 | 6 |" in text                            # cold start
   assert not os.listdir(tmp_path / "data")          # the feature files are removed

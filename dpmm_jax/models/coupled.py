@@ -334,8 +334,8 @@ def _laplace_log_integral(terms: TailTerms, w, half_df, num_nodes: int):
     return (change > _TAIL_TOL) & (it < _TAIL_MAX_ITER)
 
   t0 = jnp.zeros_like(w[..., 0])     # keeps w's sharding type in the loop carry
-  t, change, _ = jax.lax.while_loop(
-      cond, body, (t0, jnp.array(jnp.inf, t0.dtype), jnp.array(0, jnp.int32)))
+  change0 = jnp.max(t0) + jnp.inf    # ... and so does the step size (shard_map)
+  t, change, _ = jax.lax.while_loop(cond, body, (t0, change0, jnp.array(0, jnp.int32)))
   _, _, hess = _tilted_log_integrand(t, terms, w, half_df)
   sigma = 1.0 / jnp.sqrt(-hess)
   lo = t - (_TAIL_HALF_WIDTH * sigma + _TAIL_LEFT_EXTRA * sigma * sigma)
