@@ -184,6 +184,7 @@ def run_timing(output_dir, seed=0, sizes=(1000, 4000, 16000), dims=(2, 4, 8),
                dim_points=4000, num_draws=200):
   from dpmm_jax import gmm
   rows = []
+  load_before = os.getloadavg()[0]
   grid = [(n, 2) for n in sizes] + [(dim_points, d) for d in dims if d != 2]
   for n, d in grid:
     key = jax.random.PRNGKey(seed + n + d)
@@ -213,7 +214,9 @@ def run_timing(output_dir, seed=0, sizes=(1000, 4000, 16000), dims=(2, 4, 8),
         vb_vs_p=_slope([r["dim"] for r in by_p], [r["vb_s"] for r in by_p]),
         gibbs_vs_p=_slope([r["dim"] for r in by_p], [r["gibbs_per_draw_s"] for r in by_p]))
   config = dict(seed=seed, sizes=list(sizes), dims=list(dims), dim_points=dim_points,
-                num_draws=num_draws, machine="2-core CPU shared with other jobs (loaded)")
+                num_draws=num_draws, cpu_count=os.cpu_count(),
+                load_average_before_after=[round(load_before, 2),
+                                           round(os.getloadavg()[0], 2)])
   result = dict(config=config, slopes=slopes, rows=rows)
   common_write(output_dir, "lrvb_timing", result, rows)
   return result

@@ -4,7 +4,9 @@
 # then tests that need several fake CPU devices (tests/*_multidevice.py), if any.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-workers="${PYTEST_WORKERS:-2}"
+# One pytest worker per core, at most 4 (each worker holds up to ~3.5 GB at peak).
+cores="$(nproc 2>/dev/null || echo 2)"
+workers="${PYTEST_WORKERS:-$(( cores < 4 ? (cores < 2 ? 2 : cores) : 4 ))}"
 # One compilation cache for this run's pytest processes (see tests/conftest.py).
 if [ -z "${DPMM_JAX_TEST_CACHE:-}" ]; then
   DPMM_JAX_TEST_CACHE="$(mktemp -d)"
