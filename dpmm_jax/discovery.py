@@ -69,16 +69,13 @@ import numpy as np
 from dpmm_jax import blocks
 from dpmm_jax import linalg
 from dpmm_jax import preprocess as preprocess_lib
-from dpmm_jax import special
 from dpmm_jax import stats as stats_lib
 from dpmm_jax import student_t
 from dpmm_jax import validation
 from dpmm_jax.conjugate import dirichlet, niw, nix
 from dpmm_jax.models import diag as diag_model
-from dpmm_jax.models import full as full_model
 
 Component = Union[niw.NIW, nix.NIX]
-_LOG_2PI = float(np.log(2.0 * np.pi))
 
 
 class Priors(NamedTuple):
@@ -188,42 +185,14 @@ def expected_weights(params: Params):
   return jnp.concatenate([e_pi[1:], e_pi[0] * e_v * rest])
 
 
-def _maha_block(yc, block):
-  """(M, kb) |inv_k (y_m - loc_k)|^2 for a block of lower-triangular inv_k."""
-  loc, inv = block
-  z = jnp.einsum("md,ked->kme", yc, inv) - jnp.einsum("kd,ked->ke", loc, inv)[:, None, :]
-  return jnp.sum(z * z, -1).T
-
-
-def _mahalanobis(y, loc, chol):
-  """(M, K) squared Mahalanobis distances of y (M, D) to loc (K, D) under L_k L_k^T.
-
-  Inverts the (K, D, D) Cholesky factors once (``full.triangular_inverse``) and runs the
-  distances as matrix products over blocks of components, centred on the batch mean
-  (a per-component triangular solve with M right-hand sides is ~1000x slower on CPU).
-  """
-  centre = jnp.mean(y, 0) if y.shape[0] else jnp.zeros(y.shape[1:], y.dtype)
-  inv = full_model.triangular_inverse(chol)
-  size = blocks.class_block_size(y.shape[0], loc.shape[0], y.shape[1])
-  return blocks.map_class_blocks(functools.partial(_maha_block, y - centre),
-                                 (loc - centre, inv), size)
-
-
 def expected_log_likelihood(components, y):
   """(M, K) E_q log N(y_m | mu_k, Sigma_k) (NIW) or its per-dimension product (NIX).
 
   NIW: -1/2 [D log 2 pi + E log|Sigma_k| + D/kappa_k + nu_k (y - m_k)^T Psi_k^-1 (y - m_k)]
-  (the same as ``niw.expected_log_likelihood``, with batched distances); NIX:
-  ``nix.expected_log_likelihood``.
+  (``niw.expected_log_likelihood``); NIX: ``nix.expected_log_likelihood``.
   """
   if _is_full(components):
-    dim = y.shape[-1]
-    chol = jnp.linalg.cholesky(components.scale)
-    e_log_det = (linalg.chol_log_det(chol) - special.multidigamma(0.5 * components.df, dim)
-                 - dim * jnp.log(2.0))
-    dist = _mahalanobis(y, components.loc, chol)
-    return -0.5 * (dim * _LOG_2PI + e_log_det + dim / components.mean_concentration
-                   + components.df * dist)
+    return niw.expected_log_likelihood(components, y)
   return nix.expected_log_likelihood(components, y)
 
 
@@ -383,7 +352,7 @@ def predictive_log_density(components, y):
   """(M, K) log Student-t predictive of every factor (NIW: multivariate; NIX: product)."""
   if _is_full(components):
     pred = niw.predictive(components)
-    maha = _mahalanobis(y, pred.loc, pred.chol_scale)
+    maha = linalg.class_mahalanobis_sq(y, pred.loc, pred.chol_scale)
     return student_t.mvt_log_density_from_mahalanobis(maha, pred.df, pred.log_normalizer,
                                                       y.shape[-1])
   df, loc, scale_sq = nix.predictive(components)

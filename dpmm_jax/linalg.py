@@ -1,8 +1,10 @@
-"""Small linear-algebra building blocks shared by the models (no explicit inverses)."""
+"""Small linear-algebra building blocks shared by the models (no inverted covariances)."""
 import jax
 import jax.numpy as jnp
 from jax.scipy.linalg import cho_solve
 from jax.scipy.linalg import solve_triangular
+
+from dpmm_jax import blocks
 
 
 def default_rtol(dtype) -> float:
@@ -67,32 +69,92 @@ def mahalanobis_sq(x, loc, white, centre=None):
           + jnp.sum(lw * lw, -1)[None, :]).clip(min=0.0)
 
 
-def class_mahalanobis_sq(x, loc, factor, inverted: bool = False):
-  """(M, K) squared Mahalanobis distances |L_k^-1 (x_m - loc_k)|^2, one class at a time.
+# Row blocks of the triangular products (more blocks skip more zeros).
+_TRIANGLE_BLOCKS = 4
+# Below this dimension the recursive inverse hands over to a triangular solve.
+_INVERSE_BASE = 128
 
-  A ``jax.lax.map`` over the K classes, so there is no (M, K, D) temporary beyond one
-  class. With ``inverted=False`` each class is a triangular solve with M right-hand
-  sides; with ``inverted=True`` the caller passes the inverse factors L_k^-1 and each
-  class is one (M, D) x (D, D) product (XLA's CPU triangular solve inside the loop was
-  ~30x slower than this product at M = 1024, D = 3).
+
+def triangular_inverse(chol):
+  """Inverse of lower-triangular matrices (..., D, D) by recursive blocking.
+
+  inv([[A, 0], [B, C]]) = [[A^-1, 0], [-C^-1 B A^-1, C^-1]]: about D^3 / 3 multiply-adds,
+  all but the small diagonal blocks in matrix products. This inverts a Cholesky factor
+  (condition number sqrt(cond(Sigma))), never a covariance, so applying it has the
+  accuracy of a triangular solve.
+  """
+  dim = chol.shape[-1]
+  if dim <= _INVERSE_BASE:
+    eye = jnp.broadcast_to(jnp.eye(dim, dtype=chol.dtype), chol.shape)
+    return solve_triangular(chol, eye, lower=True)
+  half = dim // 2
+  a_inv = triangular_inverse(chol[..., :half, :half])
+  c_inv = triangular_inverse(chol[..., half:, half:])
+  lower_left = -(c_inv @ (chol[..., half:, :half] @ a_inv))
+  top = jnp.concatenate([a_inv, jnp.zeros(a_inv.shape[:-1] + (dim - half,), chol.dtype)], -1)
+  return jnp.concatenate([top, jnp.concatenate([lower_left, c_inv], -1)], -2)
+
+
+def triangle_row_blocks(dim: int):
+  """[(lo, hi)] row blocks of a D x D lower triangle used by the triangular products."""
+  edges = [round(dim * j / _TRIANGLE_BLOCKS) for j in range(_TRIANGLE_BLOCKS + 1)]
+  return [(lo, hi) for lo, hi in zip(edges[:-1], edges[1:]) if hi > lo]
+
+
+def triangular_mahalanobis_sq(x, loc, inv):
+  """(kb, M) squared norms |inv_k (x_m - loc_k)|^2 with lower-triangular inv_k (kb, D, D).
+
+  Row block [lo, hi) of inv_k (x - loc_k) only involves columns [0, hi): with 4 row blocks
+  the products do 5/8 of the dense work, as (M, hi) x (hi, hi - lo) matrix products.
+  Centre x and loc on a common reference first: the two products are subtracted.
+  """
+  total = 0.0
+  for lo, hi in triangle_row_blocks(x.shape[-1]):
+    w = inv[:, lo:hi, :hi]                                          # (kb, b, hi)
+    z = jnp.einsum("md,ked->kme", x[:, :hi], w)
+    z = z - jnp.einsum("kd,ked->ke", loc[:, :hi], w)[:, None, :]
+    total = total + jnp.sum(z * z, -1)
+  return total
+
+
+# Below this dimension class_mahalanobis_sq inverts the factors and runs matrix products;
+# from it on, a triangular solve per class (measured on a 2-core CPU, jax 0.9.2, float32:
+# M = 20,000, K = 10: D = 2 products 0.6 ms vs solves 5.7 ms, D = 3 equal; M = 4,096,
+# K = 20: D = 16 solves 2.2 ms vs products 8.4 ms, D = 64 14.5 vs 55.6 ms).
+_SOLVE_MIN_DIM = 4
+
+
+def class_mahalanobis_sq(x, loc, factor, inverted: bool = False):
+  """(M, K) squared Mahalanobis distances |L_k^-1 (x_m - loc_k)|^2.
+
+  Points and locations are centred on the points' mean first (large common offsets
+  cancel exactly). For D >= 4 each class is a triangular solve with M right-hand sides in
+  a ``lax.map`` (no (M, K, D) temporary); below that, or when the caller passes inverse
+  factors, the distances are matrix products over blocks of classes
+  (``triangular_mahalanobis_sq``), which XLA's CPU backend runs faster at tiny D.
 
   Args:
     x: (M, D) points.
     loc: (K, D) class locations.
     factor: (K, D, D) lower Cholesky factors L_k (or L_k^-1 when ``inverted``).
-    inverted: whether ``factor`` holds the inverse factors.
+    inverted: whether ``factor`` holds the (lower-triangular) inverse factors.
   Returns:
     (M, K) squared distances.
   """
+  centre = jnp.mean(x, 0) if x.shape[0] else jnp.zeros(x.shape[1:], x.dtype)
+  xc, lc = x - centre, loc - centre
+  if inverted or x.shape[-1] < _SOLVE_MIN_DIM:
+    inv = factor if inverted else triangular_inverse(factor)
+    size = blocks.class_block_size(x.shape[0], loc.shape[0], x.shape[1])
+    return blocks.map_class_blocks(
+        lambda block: triangular_mahalanobis_sq(xc, *block).T, (lc, inv), size)
+
   def one_class(args):
     factor_k, loc_k = args
-    if inverted:
-      z = (x - loc_k) @ factor_k.T                                # (M, D)
-      return jnp.sum(z * z, axis=-1)
-    z = solve_triangular(factor_k, (x - loc_k).T, lower=True)     # (D, M)
+    z = solve_triangular(factor_k, (xc - loc_k).T, lower=True)     # (D, M)
     return jnp.sum(z * z, axis=0)
 
-  return jax.lax.map(one_class, (factor, loc)).T                  # (M, K)
+  return jax.lax.map(one_class, (factor, lc)).T                    # (M, K)
 
 
 def chol_log_det(chol):

@@ -17,6 +17,7 @@ from scipy import special as sps
 from dpmm_jax import api
 from dpmm_jax import blocks
 from dpmm_jax import em
+from dpmm_jax import linalg
 from dpmm_jax import stats as stats_lib
 from dpmm_jax.models import coupled, diag, full
 from tests import coupled_reference
@@ -208,7 +209,7 @@ def test_triangular_inverse_matches_numpy():
   rng = np.random.default_rng(9)
   a = rng.normal(size=(2, 300, 300))
   chol = np.linalg.cholesky(np.einsum("kij,klj->kil", a, a) / 300 + np.eye(300))
-  got = full.triangular_inverse(jnp.asarray(chol, jnp.float32))
+  got = linalg.triangular_inverse(jnp.asarray(chol, jnp.float32))
   np.testing.assert_allclose(np.asarray(got, np.float64) @ chol, np.broadcast_to(
       np.eye(300), chol.shape), atol=2e-5)
   assert np.all(np.triu(np.asarray(got[0]), 1) == 0)
@@ -216,7 +217,7 @@ def test_triangular_inverse_matches_numpy():
 
 def test_full_scoring_matches_triangular_solves(monkeypatch):
   # Recursive triangular inverse three levels deep (from D > 128 by default).
-  monkeypatch.setattr(full, "_INVERSE_BASE", 8)
+  monkeypatch.setattr(linalg, "_INVERSE_BASE", 8)
   dim = 60
   st = _full_stats(10, 3, dim, 2 * dim)
   params, _ = full.fit(st, max_iter=5)

@@ -106,8 +106,7 @@ def expected_log_likelihood(niw: NIW, x):
 
   = -D/2 log(2 pi) - 1/2 E[log|Sigma_k|] - 1/2 [D/kappa_k + nu_k (x - m_k)^T Psi_k^-1 (x - m_k)],
   the term every coordinate-ascent update of a Gaussian mixture with NIW factors needs.
-  Distances use a triangular solve per class (no explicit inverse, no (M, K, D) temporary
-  beyond one class at a time).
+  Distances are ``linalg.class_mahalanobis_sq`` (centred on the points' mean).
 
   Args:
     niw: NIW with leading axis K.

@@ -122,8 +122,8 @@ def expected_log_likelihood(nw: NormalWishart, x):
   m = solve_triangular(chol_psi, jnp.swapaxes(lam_inv_chol_t, -1, -2), lower=True)
   trace = jnp.sum(m * m, axis=(-2, -1))
 
-  # Whitening by the inverse Cholesky factors (K small D x D triangular inverses) and one
-  # (M, D) x (D, D) product per class (see ``linalg.class_mahalanobis_sq``).
+  # Whitening by the inverse Cholesky factors (K small D x D triangular inverses) and
+  # matrix products over blocks of classes (see ``linalg.class_mahalanobis_sq``).
   chol_psi_inv = solve_triangular(chol_psi, eye, lower=True)          # (K, D, D)
   dist = linalg.class_mahalanobis_sq(x, nw.loc, chol_psi_inv, inverted=True)   # (M, K)
   return 0.5 * (-dim * _LOG_2PI + e_log_det - nw.df * (dist + trace))

@@ -338,52 +338,6 @@ def fit(stats, *, df=None, mean_concentration=None, tol=1e-6, max_iter=100, df_c
 
 
 # ---------------------------------------------------------------------------- scoring
-# Row blocks of the triangular products in scoring (more blocks skip more zeros).
-_TRIANGLE_BLOCKS = 4
-# Below this dimension the recursive inverse hands over to a triangular solve.
-_INVERSE_BASE = 128
-
-
-def triangular_inverse(chol):
-  """Inverse of lower-triangular matrices (..., D, D) by recursive blocking.
-
-  inv([[A, 0], [B, C]]) = [[A^-1, 0], [-C^-1 B A^-1, C^-1]]: about D^3 / 3 multiply-adds,
-  all but the small diagonal blocks in matrix products. This inverts a Cholesky factor
-  (condition number sqrt(cond(Sigma))), never a covariance, so applying it has the
-  accuracy of a triangular solve.
-  """
-  dim = chol.shape[-1]
-  if dim <= _INVERSE_BASE:
-    eye = jnp.broadcast_to(jnp.eye(dim, dtype=chol.dtype), chol.shape)
-    return solve_triangular(chol, eye, lower=True)
-  half = dim // 2
-  a_inv = triangular_inverse(chol[..., :half, :half])
-  c_inv = triangular_inverse(chol[..., half:, half:])
-  lower_left = -(c_inv @ (chol[..., half:, :half] @ a_inv))
-  top = jnp.concatenate([a_inv, jnp.zeros(a_inv.shape[:-1] + (dim - half,), chol.dtype)], -1)
-  return jnp.concatenate([top, jnp.concatenate([lower_left, c_inv], -1)], -2)
-
-
-def _row_blocks(dim: int):
-  edges = [round(dim * j / _TRIANGLE_BLOCKS) for j in range(_TRIANGLE_BLOCKS + 1)]
-  return [(lo, hi) for lo, hi in zip(edges[:-1], edges[1:]) if hi > lo]
-
-
-def _triangular_mahalanobis(x, loc, inv):
-  """(kb, M) squared norms |inv_k (x_m - loc_k)|^2 with lower-triangular inv_k.
-
-  Row block [lo, hi) of inv_k (x - loc_k) only involves columns [0, hi): with 4 row blocks
-  the products do 5/8 of the dense work, as (M, hi) x (hi, hi - lo) matrix products.
-  """
-  total = 0.0
-  for lo, hi in _row_blocks(x.shape[-1]):
-    w = inv[:, lo:hi, :hi]                                          # (kb, b, hi)
-    z = jnp.einsum("md,ked->kme", x[:, :hi], w)
-    z = z - jnp.einsum("kd,ked->ke", loc[:, :hi], w)[:, None, :]
-    total = total + jnp.sum(z * z, -1)
-  return total
-
-
 def _mvt_block(x, pred: niw.Predictive):
   """(M, kb) multivariate-t log densities for a block of classes (matrix products).
 
@@ -391,7 +345,8 @@ def _mvt_block(x, pred: niw.Predictive):
   subtraction of the two products loses nothing to a large common offset.
   """
   dim = x.shape[-1]
-  maha = _triangular_mahalanobis(x, pred.loc, triangular_inverse(pred.chol_scale))
+  maha = linalg.triangular_mahalanobis_sq(x, pred.loc,
+                                        linalg.triangular_inverse(pred.chol_scale))
   return student_t.mvt_log_density_from_mahalanobis(
       maha, pred.df[:, None], pred.log_normalizer[:, None], dim).T
 
@@ -399,7 +354,7 @@ def _mvt_block(x, pred: niw.Predictive):
 def scoring_flops(num_points: int, num_classes: int, dim: int) -> float:
   """Multiply-add flops (2 per MAC) ``log_predictive`` runs in matrix products: the
   triangular inverses and the blocked triangular products (prior included)."""
-  rows = sum((hi - lo) * hi for lo, hi in _row_blocks(dim))
+  rows = sum((hi - lo) * hi for lo, hi in linalg.triangle_row_blocks(dim))
   per_class = 2.0 * num_points * rows + 2.0 * dim ** 3 / 3.0
   return per_class * (num_classes + 1)
 
@@ -407,7 +362,7 @@ def scoring_flops(num_points: int, num_classes: int, dim: int) -> float:
 def log_predictive(params: Params, x):
   """(class (M, K) log p(x | D_k), prior (M,) log p(x)).
 
-  Per block of classes the Cholesky factors are inverted (``triangular_inverse``) and the
+  Per block of classes the Cholesky factors are inverted (``linalg.triangular_inverse``) and the
   Mahalanobis distances run as (M, D) x (D, D) products that skip the zero blocks of the
   triangle; temporaries are (kb, M, D) with kb set by ``blocks.class_block_size``.
   """
