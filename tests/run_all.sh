@@ -4,9 +4,14 @@
 # then tests that need several fake CPU devices (tests/*_multidevice.py), if any.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# One pytest worker per core, at most 4 (each worker holds up to ~3.5 GB at peak).
+# One pytest worker per core: at least 2, at most 4, and at most one per 5 GB of memory
+# (a worker holds up to ~3.5 GB at peak).
 cores="$(nproc 2>/dev/null || echo 2)"
-workers="${PYTEST_WORKERS:-$(( cores < 4 ? (cores < 2 ? 2 : cores) : 4 ))}"
+mem_gb="$(awk '/^MemTotal:/ {print int($2 / 1048576)}' /proc/meminfo 2>/dev/null || echo 10)"
+auto=$(( cores < 4 ? cores : 4 ))
+auto=$(( auto < mem_gb / 5 ? auto : mem_gb / 5 ))
+auto=$(( auto < 2 ? 2 : auto ))
+workers="${PYTEST_WORKERS:-$auto}"
 # One compilation cache for this run's pytest processes (see tests/conftest.py).
 if [ -z "${DPMM_JAX_TEST_CACHE:-}" ]; then
   DPMM_JAX_TEST_CACHE="$(mktemp -d)"
