@@ -118,9 +118,10 @@ def triangular_mahalanobis_sq(x, loc, inv):
 
 
 # Below this dimension class_mahalanobis_sq inverts the factors and runs matrix products;
-# from it on, a triangular solve per class (measured on a 2-core CPU, jax 0.9.2, float32:
-# M = 20,000, K = 10: D = 2 products 0.6 ms vs solves 5.7 ms, D = 3 equal; M = 4,096,
-# K = 20: D = 16 solves 2.2 ms vs products 8.4 ms, D = 64 14.5 vs 55.6 ms).
+# from it on, a triangular solve per class. Measured on a 2-core CPU, jax 0.9.2, float32,
+# medians of 5-7 calls: M = 20,000, K = 10, D = 2 and 3: products 0.6-0.9 ms, solves
+# 0.8-1.1 ms (one run: 5.7 ms at D = 2); M = 4,096, K = 20: D = 16 solves 2.2 ms vs
+# products 8.4 ms, D = 64 14.5 vs 55.6 ms.
 _SOLVE_MIN_DIM = 4
 
 

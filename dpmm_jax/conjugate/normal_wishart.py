@@ -104,7 +104,7 @@ def expected_log_likelihood(nw: NormalWishart, x):
 
   = -D/2 log(2 pi) + 1/2 E[log|R_k|] - 1/2 [nu_k (x - m_k)^T Psi_k^-1 (x - m_k)
                                            + nu_k tr(Psi_k^-1 Lambda_k^-1)].
-  Distances by a triangular solve per class (no (M, K, D) temporary).
+  Distances are ``linalg.class_mahalanobis_sq`` with the inverse factors of Psi_k.
 
   Args:
     nw: factors with leading axis K.
@@ -116,15 +116,11 @@ def expected_log_likelihood(nw: NormalWishart, x):
   chol_psi = jnp.linalg.cholesky(nw.inv_scale)
   chol_lam = jnp.linalg.cholesky(nw.loc_precision)
   e_log_det = wishart.expected_log_det(precision_factor(nw), chol_psi)
+  chol_psi_inv = linalg.triangular_inverse(chol_psi)                  # (K, D, D)
   # tr(Psi^-1 Lambda^-1) = ||L_psi^-1 L_lam^-T||_F^2.
-  eye = jnp.broadcast_to(jnp.eye(dim, dtype=x.dtype), nw.loc_precision.shape)
-  lam_inv_chol_t = solve_triangular(chol_lam, eye, lower=True)                # L_lam^-1
-  m = solve_triangular(chol_psi, jnp.swapaxes(lam_inv_chol_t, -1, -2), lower=True)
+  m = chol_psi_inv @ jnp.swapaxes(linalg.triangular_inverse(chol_lam), -1, -2)
   trace = jnp.sum(m * m, axis=(-2, -1))
-
-  # Whitening by the inverse Cholesky factors (K small D x D triangular inverses) and
-  # matrix products over blocks of classes (see ``linalg.class_mahalanobis_sq``).
-  chol_psi_inv = solve_triangular(chol_psi, eye, lower=True)          # (K, D, D)
+  # Distances with the inverse factors: matrix products over blocks of classes.
   dist = linalg.class_mahalanobis_sq(x, nw.loc, chol_psi_inv, inverted=True)   # (M, K)
   return 0.5 * (-dim * _LOG_2PI + e_log_det - nw.df * (dist + trace))
 
