@@ -10,7 +10,10 @@ Three parts (``--divergence_parts``):
    products, d = 1 and 3, n = 50, 250, 1250) and Figure 6 (KL in d = 3, n = 50..5000 on a
    log grid) against the Perez-Cruz kNN estimator (k = 1, 10); replicates per size, truths
    by Monte Carlo (``experiments/divergence_problems.py``).
-3. ``clinc``: every in-distribution CLINC150 intent (data/clinc150_minilm, 100 utterances
+3. ``prior`` (not run by default): the prior penalty per box. KL error against sigma
+   (the paper's D + 1, then 1 and 0.1) at n = 250 and 1250 on two d = 3 problems (``d3``
+   and ``d3_skew``), next to the kNN estimators on the same samples.
+4. ``clinc``: every in-distribution CLINC150 intent (data/clinc150_minilm, 100 utterances
    each over train/val/test) is a sample set after projection on 2 principal components;
    pairwise alpha = 0.5 divergences; spectral clustering of intents into the 8 domains and
    9-NN domain classification, against the same pipeline on the Euclidean distance between
@@ -41,7 +44,7 @@ from experiments import divergence_problems as dp
 
 common.define_flags("seed", "float64", "output_dir", "plot_only", "quick")
 _PARTS = flags.DEFINE_list("divergence_parts", ["sanity", "simulation", "clinc"],
-                           "Parts to run: sanity, simulation, clinc.")
+                           "Parts to run: sanity, simulation, prior, clinc.")
 _DATA_DIR = flags.DEFINE_string("divergence_data_dir", "data/clinc150_minilm",
                                 "Directory of the CLINC150 feature files.")
 _FIG_DIR = flags.DEFINE_string("divergence_figure_dir", None,
@@ -49,20 +52,24 @@ _FIG_DIR = flags.DEFINE_string("divergence_figure_dir", None,
 
 FULL = dict(replicates=10, sizes=(50, 250, 1250), kl_sizes=(50, 158, 500, 1581, 5000),
             burnin=2000, samples=500, mc_draws=10_000_000, sanity_n=1000,
-            clinc_burnin=600, clinc_samples=200, clinc_runs=20)
+            clinc_burnin=600, clinc_samples=200, clinc_runs=20,
+            prior_sizes=(250, 1250), prior_sigmas=(None, 1.0, 0.1), prior_replicates=5)
 QUICK = dict(replicates=2, sizes=(50, 250), kl_sizes=(50, 250), burnin=200, samples=100,
              mc_draws=200_000, sanity_n=300, clinc_burnin=100, clinc_samples=50,
-             clinc_runs=5, clinc_intents_per_domain=3)
+             clinc_runs=5, clinc_intents_per_domain=3, prior_sizes=(100,),
+             prior_sigmas=(None, 0.1), prior_replicates=2)
 MAX_REGIONS = 128
 SIM_KINDS = ("tv", "hellinger", "kl", "alpha")
 
 
 def _chains(xs, ys, vx, vy, key, dim, burnin, samples, max_regions=MAX_REGIONS,
-            alpha=2.0):
+            alpha=2.0, sigma=None):
+  """One chain per pair; sigma None: the paper's D + 1."""
   config = dv.Config(max_regions=max_regions, num_burnin=burnin, num_samples=samples)
   run = jax.vmap(dv.run_chain, in_axes=(0, 0, 0, 0, 0, None, None, None, None))
+  sigma = dim + 1.0 if sigma is None else float(sigma)
   out = run(jax.random.split(key, xs.shape[0]), jnp.asarray(xs), jnp.asarray(ys),
-            jnp.asarray(vx), jnp.asarray(vy), 0.5, dim + 1.0, alpha, config)
+            jnp.asarray(vx), jnp.asarray(vy), 0.5, sigma, alpha, config)
   return jax.tree_util.tree_map(np.asarray, out)
 
 
@@ -173,7 +180,37 @@ def run_simulation(sizes, kl_sizes, replicates, burnin, samples, mc_draws, seed)
   return out
 
 
-# ------------------------------------------------------------------ 3. CLINC150
+# ------------------------------------------------------------------ 3. prior penalty
+
+def run_prior(sizes, sigmas, replicates, burnin, samples, mc_draws, seed):
+  """KL error of co-BPM for each sigma, and of kNN, on the same d = 3 samples."""
+  out = {"truth": {}, "rows": []}
+  for problem in ("d3", "d3_skew"):
+    truth = dp.monte_carlo_truth(problem, mc_draws, np.random.default_rng(seed))
+    out["truth"][problem] = truth
+    for n in sizes:
+      rng = np.random.default_rng(seed + 1000 * n + 7)
+      pairs = [dp.sample_pair(problem, n, rng) for _ in range(replicates)]
+      xs, ys, vx, vy = dp.pad_pairs(pairs)
+      knn = {k: [dv.knn_kl(x, y, k) for x, y in pairs] for k in (1, 10)}
+      for sigma in sigmas:
+        start = time.perf_counter()
+        res = _chains(xs, ys, vx, vy, jax.random.PRNGKey(seed + n), 3, burnin, samples,
+                      sigma=sigma)
+        seconds = time.perf_counter() - start
+        kl = res.divergences[..., 2].mean(axis=1)
+        out["rows"].append({
+            "problem": problem, "n": n, "sigma": 3 + 1.0 if sigma is None else float(sigma),
+            "kl": kl.tolist(), "knn1": knn[1], "knn10": knn[10], "seconds": seconds,
+            "mean_regions": float(res.num_regions.mean()),
+            "at_max_regions": float(np.mean(res.num_regions >= MAX_REGIONS))})
+        logging.info("prior %s n=%d sigma=%s: KL %.3f (truth %.3f), kNN1 %.3f, %.1f boxes",
+                     problem, n, sigma, kl.mean(), truth["kl"], np.mean(knn[1]),
+                     res.num_regions.mean())
+  return out
+
+
+# ------------------------------------------------------------------ 4. CLINC150
 
 def _load_clinc(data_dir):
   if not os.path.isabs(data_dir) and not os.path.isdir(data_dir):
@@ -288,7 +325,7 @@ def run(output_dir: Optional[str], *, quick: bool = False, seed: int = 0,
     output_dir: directory of the results (None: nothing written).
     quick: small sizes (seconds to a few minutes).
     seed: base seed.
-    parts: subset of ("sanity", "simulation", "clinc").
+    parts: subset of ("sanity", "simulation", "prior", "clinc").
     data_dir: CLINC150 feature files.
     figure_dir: where figures go (default output_dir).
     plot: draw the figures.
@@ -300,7 +337,7 @@ def run(output_dir: Optional[str], *, quick: bool = False, seed: int = 0,
   if quick:
     cfg.update(QUICK)
   cfg.update(overrides)
-  unknown = set(parts) - {"sanity", "simulation", "clinc"}
+  unknown = set(parts) - {"sanity", "simulation", "prior", "clinc"}
   if unknown:
     raise ValueError(f"Unknown parts {sorted(unknown)}.")
   results = {}
@@ -310,6 +347,10 @@ def run(output_dir: Optional[str], *, quick: bool = False, seed: int = 0,
     results["simulation"] = run_simulation(cfg["sizes"], cfg["kl_sizes"], cfg["replicates"],
                                            cfg["burnin"], cfg["samples"], cfg["mc_draws"],
                                            seed)
+  if "prior" in parts:
+    results["prior"] = run_prior(cfg["prior_sizes"], cfg["prior_sigmas"],
+                                 cfg["prior_replicates"], cfg["burnin"], cfg["samples"],
+                                 cfg["mc_draws"], seed)
   if "clinc" in parts:
     results["clinc"] = run_clinc(data_dir, cfg["clinc_burnin"], cfg["clinc_samples"],
                                  cfg["clinc_runs"], seed,
@@ -369,6 +410,28 @@ def markdown(part, res, cfg, quick):
                  f"max {MAX_REGIONS} boxes. Seconds: all replicates of one n together "
                  f"(vmapped), compilation included.\n\n{note}\n")
     return "\n".join(lines)
+  if part == "prior":
+    rows = []
+    for r in res["rows"]:
+      kl = res["truth"][r["problem"]]["kl"]
+      rows.append([r["problem"], f"{kl:.4f}", r["n"], f"{r['sigma']:g}",
+                   _mean_sd(np.abs(np.array(r["kl"]) - kl)),
+                   _mean_sd(np.abs(np.array(r["knn1"]) - kl)),
+                   _mean_sd(np.abs(np.array(r["knn10"]) - kl)),
+                   f"{r['mean_regions']:.1f}", f"{r['at_max_regions']:.2f}",
+                   f"{r['seconds']:.1f}"])
+    return (f"# co-BPM: the prior penalty per box (sigma) and the KL error in d = 3{size}\n\n"
+            "Mean absolute error of the KL estimate over "
+            f"{len(res['rows'][0]['kl'])} replicates (± sd); the same samples for every "
+            "sigma and for kNN. sigma = 4 is the paper's D + 1. Prior: "
+            "p(A_l, l) propto exp(-sigma l) / ((l - 1)! D^(l - 1)) (see "
+            "dpmm_jax/divergence.py). Truth by Monte Carlo with "
+            f"{cfg['mc_draws']:.0e} draws. Chains: {cfg['burnin']} burn-in sweeps, "
+            f"{cfg['samples']} kept draws, max {MAX_REGIONS} boxes.\n\n"
+            + common.markdown_table(
+                ["problem", "true KL", "n", "sigma", "co-BPM KL error", "kNN k=1",
+                 "kNN k=10", "mean boxes", "share at max boxes", "co-BPM s"], rows)
+            + "\nRun times: this 2-core CPU machine, compilation included.\n")
   if part == "clinc":
     rows = [[name, _mean_sd(r["clustering"]), _mean_sd(r["knn9"])]
             for name, r in res["results"].items()]
@@ -386,7 +449,7 @@ def markdown(part, res, cfg, quick):
   raise ValueError(part)
 
 
-def plot_results(output_dir, figure_dir, parts=("sanity", "simulation", "clinc")):
+def plot_results(output_dir, figure_dir, parts=("sanity", "simulation", "prior", "clinc")):
   plt = common.pyplot()
   os.makedirs(figure_dir, exist_ok=True)
   for part in parts:
@@ -442,6 +505,30 @@ def plot_results(output_dir, figure_dir, parts=("sanity", "simulation", "clinc")
       fig.suptitle("co-BPM vs kNN: mean absolute error (± sd) over replicates")
       fig.tight_layout()
       common.save_and_close(fig, os.path.join(figure_dir, "divergence_simulation.png"))
+    if part == "prior":
+      truth = res["truth"]
+      problems = list(truth)
+      fig, axes = plt.subplots(1, len(problems), figsize=(5.5 * len(problems), 4.2))
+      for ax, problem in zip(np.atleast_1d(axes), problems):
+        rows = [r for r in res["rows"] if r["problem"] == problem]
+        for n in sorted({r["n"] for r in rows}):
+          sel = sorted((r for r in rows if r["n"] == n), key=lambda r: r["sigma"])
+          sig = [r["sigma"] for r in sel]
+          err = [np.mean(np.abs(np.array(r["kl"]) - truth[problem]["kl"])) for r in sel]
+          line, = ax.plot(sig, err, marker="o", label=f"co-BPM, n={n}")
+          for k, style in ((1, "--"), (10, ":")):
+            e = np.mean(np.abs(np.array(sel[0][f"knn{k}"]) - truth[problem]["kl"]))
+            ax.axhline(e, ls=style, color=line.get_color(), lw=1,
+                       label=f"kNN k={k}, n={n}")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("sigma (prior penalty per box; paper: D + 1 = 4)")
+        ax.set_ylabel("mean |KL estimate - truth|")
+        ax.set_title(f"{problem} (true KL {truth[problem]['kl']:.3f})")
+        ax.legend(fontsize=7)
+      fig.suptitle("co-BPM KL error against the prior penalty, d = 3")
+      fig.tight_layout()
+      common.save_and_close(fig, os.path.join(figure_dir, "divergence_prior.png"))
     if part == "clinc":
       fig, axes = plt.subplots(1, 2, figsize=(11, 4))
       names = list(res["results"])

@@ -7,12 +7,18 @@ Each coordinate of P and Q is a mixture of beta densities on [0, 1]:
 * ``flat``    = 0.5 Beta(1, 1) + 0.5 Beta(3, 3) (bounded below by 1/2, so KL(P || Q) and
   the alpha = 2 divergence sum P^2 / Q are finite),
 * ``hump``    = Beta(2, 2).
+* ``skewed``  = 0.7 Beta(2, 6) + 0.3 Beta(6, 3) (asymmetric: the first halving at 1/2
+  already separates it from ``flat``).
 
 Problems (P first, Q second):
 
 * ``d1``: P = bimodal, Q = flat.
 * ``d3``: P = bimodal x bimodal x hump, Q = flat x flat x hump (the third coordinate is
-  the same in both: an estimator must not invent a difference there).
+  the same in both: an estimator must not invent a difference there). P's bimodal
+  coordinates are symmetric about 1/2, so a dyadic partition sees no difference until it
+  has halved a coordinate twice: the hard case for co-BPM.
+* ``d3_skew``: P = skewed x skewed x hump, Q = flat x flat x hump (the same shape of
+  problem without that symmetry; used for the prior-penalty study).
 
 The true divergences are Monte Carlo averages over draws of P of functions of the density
 ratio ``w = q / p``: TV = E[max(0, 1 - w)], Hellinger = sqrt(1 - E[sqrt(w)]),
@@ -28,10 +34,12 @@ MIXTURES = {
     "bimodal": ((0.5, 0.5), ((2.0, 8.0), (8.0, 2.0))),
     "flat": ((0.5, 0.5), ((1.0, 1.0), (3.0, 3.0))),
     "hump": ((1.0,), ((2.0, 2.0),)),
+    "skewed": ((0.7, 0.3), ((2.0, 6.0), (6.0, 3.0))),
 }
 PROBLEMS = {
     "d1": (("bimodal",), ("flat",)),
     "d3": (("bimodal", "bimodal", "hump"), ("flat", "flat", "hump")),
+    "d3_skew": (("skewed", "skewed", "hump"), ("flat", "flat", "hump")),
 }
 
 
