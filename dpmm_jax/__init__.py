@@ -7,6 +7,7 @@ One-call API::
     p = dpmm_jax.outlier_probability(det, X_test, alpha=1.0)
     yhat = dpmm_jax.predict(det, X_test)
     dpmm_jax.save(det, "detector.npz"); det = dpmm_jax.load("detector.npz")
+    dets = dpmm_jax.fit_detectors(X, y, ["tied", "full", "diag", "coupled", "rmds"])
 
 The functional layer (``stats``, ``preprocess``, ``conjugate.niw``/``nix``, ``newton``,
 ``em``, ``models.*``, ``scores``, ``metrics``) stays public for composing in JAX code.
@@ -14,6 +15,7 @@ The functional layer (``stats``, ``preprocess``, ``conjugate.niw``/``nix``, ``ne
 from dpmm_jax.api import (DPMM_MODELS, MODEL_OPTIONS, MODELS, ConvergenceWarning, Detector,
                           FitReport, FitDiagnosticWarning, IdenticalClassWarning,
                           class_scores, fit_detector, fit_detector_with_info,
+                          fit_detectors, fit_detectors_with_info,
                           outlier_probability, predict, score)
 from dpmm_jax.discovery import Discovery, discover
 from dpmm_jax.serialization import DetectorFileError, load, save

@@ -125,3 +125,39 @@ def test_coupled_prior_predictive_at_large_alpha0_matches_a_20001_node_reference
   _, prior_lp = _log_predictive(params, jnp.asarray(xt))
   ref = _np_log_predictive(x0[:0], xt, np.zeros(dim), var0, df0, kappa0, alpha0)
   np.testing.assert_allclose(np.asarray(prior_lp), ref, rtol=0, atol=1e-3)
+
+
+def _tilted_case(dim=256, n=200, alpha0=6.0, spread=5.0):
+  """Class TailTerms of a fitted class, and w of a point ``spread`` x its spread away."""
+  x0, _, var0, params = _coupled_problem(dim, alpha0, n=n)
+  rng = np.random.default_rng(3)
+  xt = x0.mean(0) + spread * np.sqrt(0.6 * var0) * rng.normal(size=dim)
+  t = jax.tree_util.tree_map(lambda a: a[0], params.class_tail)
+  w = (jnp.asarray(xt) - t.loc) ** 2 * t.inv_scale
+  return t, w
+
+
+def test_tilted_integrand_third_and_fourth_derivatives_match_autodiff():
+  """The hand-derived Phi_3, Phi_4 of the per-point integrand equal jax.grad of Phi''."""
+  t, w = _tilted_case(dim=16, n=5)
+  hess = lambda u: coupled._tilted_log_integrand(u, t, w, t.half_df1)[2]
+  for u in (-1.5, -0.2, 0.0, 0.4, 2.0):
+    f3, f4 = coupled._tilted_third_fourth(jnp.asarray(u), t, w, t.half_df1)
+    np.testing.assert_allclose(f3, jax.grad(hess)(u), rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(f4, jax.grad(jax.grad(hess))(u), rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("dim,n,alpha0,spread", [(256, 200, 6.0, 5.0), (768, 50, 6.0, 3.0),
+                                                 (64, 3, 6.0, 10.0), (2, 2, 0.5, 1.0)])
+def test_corrected_laplace_branch_matches_the_grid(dim, n, alpha0, spread):
+  """Where the per-point integral's second-order correction is below _LAPLACE_TOL the
+  corrected Laplace approximation stands in for the grid: equal to ~1e-6 nats. With two
+  points in D = 2 and a loose prior (alpha0 = 1/2) the integrand is far from Gaussian,
+  Laplace alone is off by ~6e-4 nats, and the grid is kept."""
+  t, w = _tilted_case(dim, n, alpha0, spread=spread)
+  grid, _ = coupled._laplace_log_integral(t, w, t.half_df1, 24)
+  fast, _ = coupled._laplace_log_integral(t, w, t.half_df1, 24, laplace_tol=1e-3)
+  np.testing.assert_allclose(fast, grid, rtol=0, atol=1e-5)
+  laplace_only, _ = coupled._laplace_log_integral(t, w, t.half_df1, 24, laplace_tol=np.inf)
+  if dim == 2:    # the branch switch matters here: Laplace alone is off
+    assert abs(float(laplace_only - grid)) > 1e-4

@@ -265,3 +265,64 @@ def test_bad_em_options_are_rejected(options):
   x, y, *_ = _data()
   with pytest.raises(ValueError):
     dpmm_jax.fit_detector(x, y, "diag", **options)
+
+
+# ------------------------------------------------------------- several models, one pass
+@pytest.mark.parametrize("models", [("tied", "diag", "coupled", "rmds", "mds", "msp"),
+                                    ("full", "indep_rmds", "msp")])
+def test_fit_detectors_equal_one_model_fits(models):
+  """Every detector of fit_detectors scores like fit_detector with the same arguments.
+
+  Grouped by the statistics they need: a call that mixes models with and without the
+  (K, D, D) scatter computes the diagonal statistics by the scatter path, equal only to
+  float32 rounding (~1e-6), which moves where EM stops on its tolerance."""
+  x, y, x_test, _, x_ood = _data()
+  dets = dpmm_jax.fit_detectors(x, y, models, key=jax.random.PRNGKey(0))
+  assert tuple(dets) == models
+  x_all = np.concatenate([x_test, x_ood])
+  for model in models:
+    expected = np.asarray(dpmm_jax.score(_detector(model), x_all))
+    got = np.asarray(dpmm_jax.score(dets[model], x_all))
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6 * np.abs(expected).max(),
+                               err_msg=model)
+
+
+def test_fit_detectors_reads_the_data_twice(monkeypatch):
+  """Statistics passes: 2 (transform, then transformed statistics) for five models
+  sharing them, where five fit_detector calls make 10."""
+  from dpmm_jax import stats as stats_lib  # pylint: disable=g-import-not-at-top
+  x, y, *_ = _data()
+  calls = []
+  original = stats_lib.from_chunks
+
+  def counting(*args, **kwargs):
+    calls.append(kwargs.get("full"))
+    return original(*args, **kwargs)
+
+  monkeypatch.setattr(stats_lib, "from_chunks", counting)
+  reports = dpmm_jax.fit_detectors_with_info(x, y, dpmm_jax.DPMM_MODELS + ("rmds",))
+  assert calls == [False, True]          # the full scatter once, for the full model
+  assert all(isinstance(r, dpmm_jax.FitReport) for _, r in reports.values())
+  calls.clear()
+  dpmm_jax.fit_detectors(x, y, ("diag", "coupled"))
+  assert calls == [False, False]         # no model needs the (K, D, D) scatter
+
+
+def test_fit_detectors_per_model_options_and_errors():
+  x, y, *_ = _data()
+  with pytest.warns(dpmm_jax.ConvergenceWarning) as record:
+    out = dpmm_jax.fit_detectors_with_info(x, y, ("diag", "rmds"),
+                                           options={"diag": {"max_iter": 1}})
+  assert out["diag"][1].num_iters == 1 and not out["diag"][1].converged
+  # The warning names the caller's line, as fit_detector's does.
+  assert all(r.filename == __file__ for r in record), [r.filename for r in record]
+  with pytest.raises(ValueError, match="repeated"):
+    dpmm_jax.fit_detectors(x, y, ("diag", "diag"))
+  with pytest.raises(ValueError, match="not in models"):
+    dpmm_jax.fit_detectors(x, y, ("diag",), options={"full": {"tol": 1e-3}})
+  with pytest.raises(TypeError, match="Unknown option"):
+    dpmm_jax.fit_detectors(x, y, ("diag",), options={"diag": {"rtol": 1e-3}})
+  with pytest.raises(ValueError, match="Unknown model"):
+    dpmm_jax.fit_detectors(x, y, ("diag", "gmm"))
+  with pytest.raises(ValueError, match="empty"):
+    dpmm_jax.fit_detectors(x, y, ())
