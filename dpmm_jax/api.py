@@ -519,10 +519,18 @@ def fit_detectors_with_info(x, y, models=DPMM_MODELS + ("rmds",), *, num_classes
   if len(gaussian) < len(models):
     prepared[True] = _prepare(x, y, full=False, msp=True, **common)
   fitted = {}
-  for m in models:  # a loop, not a comprehension: the warnings' stack levels stay right
-    fitted[m] = _fit_prepared(prepared[m in ("msp", "temp_msp")], m, key, standard_errors,
-                              options.get(m, {}), stacklevel=3)
-  return fitted
+  # The models that need the (K, D, D) scatter go first; it is then released (2.4 GB at
+  # K = 1000, D = 768) before the others are fitted.
+  for m in sorted(models, key=lambda m: m not in _FULL_STATS):
+    msp = m in ("msp", "temp_msp")
+    fitted[m] = _fit_prepared(prepared[msp], m, key, standard_errors, options.get(m, {}),
+                              stacklevel=3)
+    if not msp and prepared[False].stats.scatter is not None and not any(
+        n in _FULL_STATS and n not in fitted for n in models):
+      prep = prepared[False]
+      prepared[False] = prep._replace(stats=prep.stats._replace(scatter=None))
+      del prep
+  return {m: fitted[m] for m in models}
 
 
 def fit_detectors(x, y, models=DPMM_MODELS + ("rmds",), **kwargs) -> Dict[str, "Detector"]:
