@@ -450,6 +450,19 @@ def _fit_prepared(prep: _Prepared, model: str, key, standard_errors: bool, optio
   return det, report
 
 
+def _fit_with_info(x, y, model, *, num_classes, preprocess, num_components, chunk_size, key,
+                   standard_errors, stacklevel: int, options):
+  """``fit_detector_with_info``. ``stacklevel``: how many frames above this function's
+  caller the warnings name (2: a public function and its ``_public_call`` wrapper)."""
+  _check_model(model, options)
+  if not isinstance(standard_errors, (bool, np.bool_)):
+    raise TypeError(f"standard_errors must be True or False, got {standard_errors!r}.")
+  prep = _prepare(x, y, num_classes=num_classes, preprocess=preprocess,
+                  num_components=num_components, chunk_size=chunk_size,
+                  full=model in _FULL_STATS, msp=model in ("msp", "temp_msp"))
+  return _fit_prepared(prep, model, key, standard_errors, options, stacklevel=stacklevel + 2)
+
+
 @_public_call
 def fit_detector_with_info(x, y, model: str = "coupled", *, num_classes=None,
                            preprocess: bool = True, num_components=None,
@@ -463,14 +476,10 @@ def fit_detector_with_info(x, y, model: str = "coupled", *, num_classes=None,
 
   Warns with ``ConvergenceWarning`` when EM stops at ``max_iter`` before its tolerance.
   """
-  _check_model(model, options)
-  if not isinstance(standard_errors, (bool, np.bool_)):
-    raise TypeError(f"standard_errors must be True or False, got {standard_errors!r}.")
-  prep = _prepare(x, y, num_classes=num_classes, preprocess=preprocess,
-                  num_components=num_components, chunk_size=chunk_size,
-                  full=model in _FULL_STATS, msp=model in ("msp", "temp_msp"))
   # Warnings point at the caller: past this function and _public_call's wrapper.
-  return _fit_prepared(prep, model, key, standard_errors, options, stacklevel=3)
+  return _fit_with_info(x, y, model, num_classes=num_classes, preprocess=preprocess,
+                        num_components=num_components, chunk_size=chunk_size, key=key,
+                        standard_errors=standard_errors, stacklevel=2, options=options)
 
 
 @_public_call
@@ -543,6 +552,13 @@ def fit_detectors(x, y, models=DPMM_MODELS + ("rmds",), **kwargs) -> Dict[str, "
   return {m: det for m, (det, _) in fit_detectors_with_info(x, y, models, **kwargs).items()}
 
 
+# The arguments every model's fit takes (fit_detector passes the rest on as options).
+_COMMON_FIT_DEFAULTS = dict(num_classes=None, preprocess=True, num_components=None,
+                            chunk_size=65536, key=None, standard_errors=False)
+_COMMON_FIT_ARGS = tuple(_COMMON_FIT_DEFAULTS)
+
+
+@_public_call
 def fit_detector(x, y, model: str = "coupled", **kwargs) -> "Detector":
   """Fits an OOD detector on training features.
 
@@ -565,7 +581,10 @@ def fit_detector(x, y, model: str = "coupled", **kwargs) -> "Detector":
   Warns:
     ConvergenceWarning: EM stopped at ``max_iter`` before meeting its tolerance.
   """
-  return fit_detector_with_info(x, y, model, **kwargs)[0]
+  options = dict(kwargs)
+  common = {name: options.pop(name) for name in _COMMON_FIT_ARGS if name in options}
+  return _fit_with_info(x, y, model, **{**_COMMON_FIT_DEFAULTS, **common}, stacklevel=2,
+                        options=options)[0]
 
 
 # ----------------------------------------------------------------------- evaluation

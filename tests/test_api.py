@@ -326,3 +326,16 @@ def test_fit_detectors_per_model_options_and_errors():
     dpmm_jax.fit_detectors(x, y, ("diag", "gmm"))
   with pytest.raises(ValueError, match="empty"):
     dpmm_jax.fit_detectors(x, y, ())
+
+
+@pytest.mark.parametrize("fit", ["fit_detector", "fit_detector_with_info"])
+def test_fit_warnings_name_the_callers_line(fit):
+  """ConvergenceWarning and IdenticalClassWarning point at the line that called the API."""
+  x, y, *_ = _data()
+  x = x.copy()
+  x[y == 0] = x[y == 0][0]                       # class 0: identical points
+  with pytest.warns(UserWarning) as record:
+    getattr(dpmm_jax, fit)(x, y, "diag", max_iter=1)
+  kinds = {type(r.message) for r in record}
+  assert {dpmm_jax.ConvergenceWarning, dpmm_jax.IdenticalClassWarning} <= kinds, kinds
+  assert all(r.filename == __file__ for r in record), [(r.filename, r.lineno) for r in record]
