@@ -24,7 +24,6 @@ the paper) with the assignments as the nuisance block, so ``lrvb_covariance`` is
 chains ``vmap``-ed, iterations in ``lax.scan``) as the reference for the covariances.
 """
 import functools
-import math
 from typing import NamedTuple
 
 import jax
@@ -40,7 +39,6 @@ from dpmm_jax import validation
 from dpmm_jax.conjugate import dirichlet, niw
 
 FUNCTIONALS = ("means", "precisions", "weights", "log_weights")
-_LOG_2PI = math.log(2.0 * math.pi)
 
 
 class Prior(NamedTuple):
@@ -282,7 +280,7 @@ def chart_elbo(chart: Chart, prior: Prior, x):
   p = prior.components
   e_log_det = special.multidigamma(0.5 * df, dim) + dim * jnp.log(2.0) + log_det_w
   z = jnp.einsum("nd,kde->nke", x, u) - jnp.einsum("kd,kde->ke", chart.loc, u)[None]
-  ell = -0.5 * (dim * _LOG_2PI - e_log_det[None] + dim / kappa[None]
+  ell = -0.5 * (dim * special.LOG_2PI - e_log_det[None] + dim / kappa[None]
                 + df[None] * jnp.sum(z * z, -1))
   alpha = jnp.exp(chart.log_concentration)
   data = jnp.sum(jax.nn.logsumexp(dirichlet.expected_log(alpha)[None] + ell, -1))

@@ -6,8 +6,13 @@ Computed naively they cancel catastrophically (in float32 already at ``z ~ 1e4``
 would make the tied limit (``nu0 -> infinity``) unreachable. The helpers below switch to
 asymptotic series for large arguments.
 """
+import math
+
 import jax.numpy as jnp
 from jax.scipy import special as jsp
+
+# log(2 pi): the Gaussian normaliser's constant, shared by every density in the package.
+LOG_2PI = math.log(2.0 * math.pi)
 
 # Below this argument the direct formulas are accurate to a few ulps times their
 # condition number (< 100 at z = 10); above it the asymptotic series (Bernoulli terms

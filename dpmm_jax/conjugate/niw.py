@@ -17,8 +17,6 @@ from dpmm_jax import linalg
 from dpmm_jax import special
 from dpmm_jax import student_t
 
-_LOG_2PI = jnp.log(2.0 * jnp.pi)
-
 
 class NIW(NamedTuple):
   """loc (..., D); mean_concentration (...,); df (...,); scale (..., D, D) = Psi."""
@@ -84,7 +82,7 @@ def log_marginal_likelihood(prior_: NIW, posterior_: NIW, count):
   """(K,) log p(X_k) = log Z(posterior) - log Z(prior) - N_k D/2 log(2 pi)."""
   dim = prior_.loc.shape[-1]
   return (log_normalizer(posterior_) - log_normalizer(prior_)
-          - 0.5 * count * dim * _LOG_2PI)
+          - 0.5 * count * dim * special.LOG_2PI)
 
 
 def expectations(niw: NIW, ref_loc) -> Expectations:
@@ -119,7 +117,7 @@ def expected_log_likelihood(niw: NIW, x):
   e_log_det = (linalg.chol_log_det(chol) - special.multidigamma(0.5 * niw.df, dim)
                - dim * jnp.log(2.0))
   dist = linalg.class_mahalanobis_sq(x, niw.loc, chol)             # (M, K)
-  return -0.5 * (dim * _LOG_2PI + e_log_det + dim / niw.mean_concentration
+  return -0.5 * (dim * special.LOG_2PI + e_log_det + dim / niw.mean_concentration
                  + niw.df * dist)
 
 

@@ -16,8 +16,6 @@ from dpmm_jax import special
 from dpmm_jax import student_t
 from dpmm_jax.conjugate import gamma
 
-_LOG_2PI = jnp.log(2.0 * jnp.pi)
-
 
 class NIX(NamedTuple):
   """loc, mean_concentration, df, scale_sq: broadcastable arrays (..., D)."""
@@ -71,7 +69,7 @@ def log_normalizer(nix: NIX):
 def log_marginal_likelihood(prior_: NIX, posterior_: NIX, count):
   """Elementwise (..., D) log p(X_{k,d}) = log Z' - log Z0 - N_k/2 log(2 pi)."""
   n = jnp.asarray(count)[..., None]
-  return log_normalizer(posterior_) - log_normalizer(prior_) - 0.5 * n * _LOG_2PI
+  return log_normalizer(posterior_) - log_normalizer(prior_) - 0.5 * n * special.LOG_2PI
 
 
 def log_evidence(prior_: NIX, count, mean, sq_dev):
@@ -101,7 +99,7 @@ def log_evidence(prior_: NIX, count, mean, sq_dev):
   return (-0.5 * jnp.log1p(n / kappa0)
           + special.log_gamma_ratio_excess(0.5 * nu0, 0.5 * n)
           - 0.5 * (nu0 + n) * jnp.log1p(data / (nu0 * var0))
-          - 0.5 * n * (_LOG_2PI + jnp.log(var0)))
+          - 0.5 * n * (special.LOG_2PI + jnp.log(var0)))
 
 
 def expectations(nix: NIX, ref_loc) -> Expectations:
@@ -126,7 +124,7 @@ def expected_log_likelihood(nix: NIX, x):
   """
   exp = expectations(nix, nix.loc)          # mahalanobis at the own mean = 1/kappa
   inv_var = exp.inv_var                      # (K, D)
-  const = jnp.sum(_LOG_2PI + exp.log_var + exp.mahalanobis + nix.loc ** 2 * inv_var, -1)
+  const = jnp.sum(special.LOG_2PI + exp.log_var + exp.mahalanobis + nix.loc ** 2 * inv_var, -1)
   quad = (x * x) @ inv_var.T - 2.0 * x @ (nix.loc * inv_var).T     # (M, K)
   return -0.5 * (quad + const[None, :])
 

@@ -21,9 +21,8 @@ from jax.scipy.linalg import cho_solve
 from jax.scipy.linalg import solve_triangular
 
 from dpmm_jax import linalg
+from dpmm_jax import special
 from dpmm_jax.conjugate import wishart
-
-_LOG_2PI = jnp.log(2.0 * jnp.pi)
 
 
 class NormalWishart(NamedTuple):
@@ -122,7 +121,7 @@ def expected_log_likelihood(nw: NormalWishart, x):
   trace = jnp.sum(m * m, axis=(-2, -1))
   # Distances with the inverse factors: matrix products over blocks of classes.
   dist = linalg.class_mahalanobis_sq(x, nw.loc, chol_psi_inv, inverted=True)   # (M, K)
-  return 0.5 * (-dim * _LOG_2PI + e_log_det - nw.df * (dist + trace))
+  return 0.5 * (-dim * special.LOG_2PI + e_log_det - nw.df * (dist + trace))
 
 
 def normal_kl_divergence(loc_q, precision_q, loc_p, precision_p):

@@ -13,7 +13,6 @@ nu' s'^2, q = A e^u / (A e^u + R)):
 so a damped Newton iteration finds the mode and l'' gives the Laplace width.
 """
 import functools
-import math
 from typing import NamedTuple, Optional
 
 import jax
@@ -282,7 +281,6 @@ _TILT_NARROW = 1.8
 # approximation when every pair's second-order correction is below this (nats); its error
 # is then ~1e-6 (``_laplace_log_integral``).
 _LAPLACE_TOL = 1e-3
-_LOG_2PI = math.log(2.0 * math.pi)
 
 
 def _tilted_log_integrand(t, terms: TailTerms, w, half_df):
@@ -391,7 +389,7 @@ def _laplace_log_integral(terms: TailTerms, w, half_df, num_nodes: int,
     return grid(), converged
   f3, f4 = _tilted_third_fourth(t, terms, w, half_df)
   correction = f4 / (8.0 * curv * curv) + 5.0 * f3 * f3 / (24.0 * curv * curv * curv)
-  laplace = f_mode + 0.5 * (_LOG_2PI - jnp.log(curv)) + correction
+  laplace = f_mode + 0.5 * (special.LOG_2PI - jnp.log(curv)) + correction
   use_laplace = jnp.all((jnp.abs(correction) <= laplace_tol) & converged)
   return jax.lax.cond(use_laplace, lambda: laplace, grid), converged
 

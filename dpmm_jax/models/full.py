@@ -4,7 +4,6 @@ Empirical Bayes sets mu0 = global mean and Sigma0 = pooled within-class covarian
 learns kappa0 (closed form) and nu0 (generalized Newton in nu0 - D - 1).
 """
 import functools
-import math
 from typing import NamedTuple, Optional
 
 import jax
@@ -21,7 +20,6 @@ from dpmm_jax import stats as stats_lib
 from dpmm_jax import student_t
 from dpmm_jax.conjugate import niw
 
-_LOG_2PI = math.log(2.0 * math.pi)
 # Cap used when moving kappa0 towards infinity (class means no more spread than noise).
 KAPPA_CAP = 1e6
 
@@ -261,7 +259,7 @@ def _spectral_log_marginal(hyper: Hyper, summary: SpectralSummary, dim: int,
   rank_one = jnp.log1p(kappa0 * n / (kappa0 + n) * g)              # log(1 + s_k g_k(c))
   return (-0.5 * dim * jnp.log1p(n / kappa0) + excess
           + 0.5 * n * (paired - rank_one - log_det_mean_cov)
-          - 0.5 * nu0 * log_det_ratio - 0.5 * n * dim * _LOG_2PI)
+          - 0.5 * nu0 * log_det_ratio - 0.5 * n * dim * special.LOG_2PI)
 
 
 def extrapolation_bounds(dim: int, df_cap=1e6):

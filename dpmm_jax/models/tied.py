@@ -40,9 +40,8 @@ import jax
 import jax.numpy as jnp
 
 from dpmm_jax import linalg
+from dpmm_jax import special
 from dpmm_jax import stats as stats_lib
-
-_LOG_2PI = jnp.log(2.0 * jnp.pi)
 
 
 class Params(NamedTuple):
@@ -118,7 +117,7 @@ def _diag_gaussian_log_density(z, mean, var):
   """(M, K) log N(z | mean_k, diag var_k), expanded into matrix products."""
   inv = 1.0 / var
   quad = (z * z) @ inv.T - 2.0 * z @ (mean * inv).T + jnp.sum(mean * mean * inv, -1)
-  return -0.5 * (quad + jnp.sum(jnp.log(var), -1) + z.shape[-1] * _LOG_2PI)
+  return -0.5 * (quad + jnp.sum(jnp.log(var), -1) + z.shape[-1] * special.LOG_2PI)
 
 
 def log_predictive(params: Params, x):
