@@ -510,7 +510,14 @@ def fit_detectors_with_info(x, y, models=DPMM_MODELS + ("rmds",), *, num_classes
     raise ValueError("models is empty; name at least one of MODELS.")
   if len(set(models)) != len(models):
     raise ValueError(f"models has repeated names: {models}.")
+  if options is not None and not isinstance(options, dict):
+    raise TypeError(f"options must be a dict {{model: {{option: value}}}}, got "
+                    f"{type(options).__name__}.")
   options = {} if options is None else dict(options)
+  for model, opts in options.items():
+    if not isinstance(opts, dict):
+      raise TypeError(f"options[{model!r}] must be a dict of that model's options, got "
+                      f"{type(opts).__name__}.")
   unused = sorted(set(options) - set(models))
   if unused:
     raise ValueError(f"options given for model(s) {unused} that are not in models {models}.")

@@ -192,15 +192,16 @@ def run_prior(sizes, sigmas, replicates, burnin, samples, mc_draws, seed):
       rng = np.random.default_rng(seed + 1000 * n + 7)
       pairs = [dp.sample_pair(problem, n, rng) for _ in range(replicates)]
       xs, ys, vx, vy = dp.pad_pairs(pairs)
+      dim = xs.shape[-1]
       knn = {k: [dv.knn_kl(x, y, k) for x, y in pairs] for k in (1, 10)}
       for sigma in sigmas:
         start = time.perf_counter()
-        res = _chains(xs, ys, vx, vy, jax.random.PRNGKey(seed + n), 3, burnin, samples,
+        res = _chains(xs, ys, vx, vy, jax.random.PRNGKey(seed + n), dim, burnin, samples,
                       sigma=sigma)
         seconds = time.perf_counter() - start
         kl = res.divergences[..., 2].mean(axis=1)
         out["rows"].append({
-            "problem": problem, "n": n, "sigma": 3 + 1.0 if sigma is None else float(sigma),
+            "problem": problem, "n": n, "sigma": dim + 1.0 if sigma is None else float(sigma),
             "kl": kl.tolist(), "knn1": knn[1], "knn10": knn[10], "seconds": seconds,
             "mean_regions": float(res.num_regions.mean()),
             "at_max_regions": float(np.mean(res.num_regions >= MAX_REGIONS))})

@@ -326,6 +326,10 @@ def test_fit_detectors_per_model_options_and_errors():
     dpmm_jax.fit_detectors(x, y, ("diag", "gmm"))
   with pytest.raises(ValueError, match="empty"):
     dpmm_jax.fit_detectors(x, y, ())
+  with pytest.raises(TypeError, match=r"options\['diag'\] must be a dict"):
+    dpmm_jax.fit_detectors(x, y, ("diag",), options={"diag": 1e-3})
+  with pytest.raises(TypeError, match="options must be a dict"):
+    dpmm_jax.fit_detectors(x, y, ("diag",), options=[("diag", {})])
 
 
 @pytest.mark.parametrize("fit", ["fit_detector", "fit_detector_with_info"])
