@@ -24,14 +24,18 @@ from dpmm_jax import stats as stats_lib
 from dpmm_jax import threads
 from dpmm_jax import linalg
 from dpmm_jax import validation
-from dpmm_jax.models import coupled, diag, full, linear, mahalanobis, tied
+from dpmm_jax.models import coupled, diag, full, linear, lowrank, mahalanobis, tied
 
-MODELS = ("mds", "rmds", "indep_rmds", "msp", "temp_msp", "tied", "full", "diag", "coupled")
-DPMM_MODELS = ("tied", "full", "diag", "coupled")
+MODELS = ("mds", "rmds", "indep_rmds", "msp", "temp_msp", "tied", "full", "diag", "coupled",
+          "lowrank")
+DPMM_MODELS = ("tied", "full", "diag", "coupled", "lowrank")
 # Models whose fit needs the (K, D, D) per-class scatter.
-_FULL_STATS = ("indep_rmds", "full")
+_FULL_STATS = ("indep_rmds", "full", "lowrank")
 # Models whose Sigma0 is the average within-class covariance (it must be non-singular).
-_HIERARCHICAL = ("full", "diag", "coupled")
+_HIERARCHICAL = ("full", "diag", "coupled", "lowrank")
+# Hierarchical models with the NIW prior (full Sigma0, nu0 > D + 1): EM of ``full``.
+_NIW_MODELS = ("full", "lowrank")
+_MODULES = {"tied": tied, "full": full, "diag": diag, "coupled": coupled, "lowrank": lowrank}
 MSP_TEMPERATURE = 1000.0
 _EM_OPTIONS = ("df", "mean_concentration", "tol", "max_iter", "df_cap", "accelerate")
 _MSP_OPTIONS = ("num_steps", "learning_rate", "weight_decay", "batch_size")
@@ -41,6 +45,7 @@ MODEL_OPTIONS = {
     "msp": _MSP_OPTIONS, "temp_msp": _MSP_OPTIONS, "tied": ("rtol", "prior_scale"),
     "full": _EM_OPTIONS, "diag": _EM_OPTIONS,
     "coupled": _EM_OPTIONS + ("gamma_shape", "options"),
+    "lowrank": _EM_OPTIONS + ("max_rank", "edge_scale"),
 }
 
 
@@ -159,6 +164,12 @@ class FitReport(NamedTuple):
     return self._flag("mode_clipped")
 
   @property
+  def rank_capped(self) -> bool:
+    """Lowrank model: some class had more directions above the noise edge than
+    ``max_rank`` keeps (its covariance lost real structure; raise max_rank)."""
+    return self._flag("rank_capped")
+
+  @property
   def problems(self) -> Tuple[str, ...]:
     """Human-readable list of the diagnostics that call for a look (warned at fit)."""
     out = []
@@ -172,6 +183,9 @@ class FitReport(NamedTuple):
     if self.mode_clipped:
       out.append("the coupled model clipped a class's mode of log gamma_k at +-30 (a class "
                  "with (almost) no spread, or far larger than the rest)")
+    if self.rank_capped:
+      out.append("the lowrank model kept max_rank directions of a class that had more above "
+                 "the noise edge (raise max_rank)")
     return tuple(out)
 
 
@@ -183,17 +197,20 @@ def _diagnostics(model: str, params, stats) -> Optional[Dict[str, bool]]:
   if model not in _HIERARCHICAL:
     return None
   hyper = params.hyper
-  module = {"full": full, "diag": diag, "coupled": coupled}[model]
+  module = _MODULES[model]
   kappa_cap = getattr(module, "KAPPA_CAP", diag.KAPPA_CAP)
   kappa = np.asarray(hyper.mean_concentration, np.float64)
   tiny = 1e-6
   # Newton's lower bound is x = theta - offset >= 1e-3 (newton.maximize); full: offset D+1.
-  offset = stats.dim + 1.0 if model == "full" else 0.0
+  offset = stats.dim + 1.0 if model in _NIW_MODELS else 0.0
   low = [np.asarray(hyper.df, np.float64) - offset]
   if model == "coupled":
     low.append(np.asarray(hyper.gamma_shape, np.float64))
   flags = {"kappa_at_cap": bool(np.any(kappa >= kappa_cap * (1 - tiny))),
            "at_lower_bound": bool(any(np.any(v <= 1e-3 * (1 + 1e-3)) for v in low))}
+  if model == "lowrank":
+    flags["rank_capped"] = bool(np.any(
+        np.asarray(params.num_spikes) > params.factors.shape[1]))
   if model == "coupled":
     mode, _, converged = _coupled_mode(hyper, stats)
     flags["mode_search_not_converged"] = not bool(np.all(np.asarray(converged)))
@@ -230,8 +247,7 @@ def _fit_model(model, stats, x_fn, y, key, options):
     key = jax.random.PRNGKey(0) if key is None else key
     params, info = linear.fit(x_fn(), y, stats.num_classes, key=key, **options)
     return params, info
-  module = {"full": full, "diag": diag, "coupled": coupled}[model]
-  return module.fit(stats, **options)
+  return _MODULES[model].fit(stats, **options)
 
 
 def _check_within_class(stats, model: str, preprocessed: bool):
@@ -283,7 +299,7 @@ def _check_within_class(stats, model: str, preprocessed: bool):
         f"The {model} model uses the average within-class covariance as its prior scale "
         f"Sigma0, which must be non-singular, but {what}. {fix}, or use model='tied' or "
         "'rmds', which floor such directions.")
-  if model == "full" and dim > 1:
+  if model in _NIW_MODELS and dim > 1:
     scale = np.sqrt(within_var)
     corr = pooled / np.outer(scale, scale)
     eig = np.linalg.eigvalsh(0.5 * (corr + corr.T))
@@ -294,7 +310,7 @@ def _check_within_class(stats, model: str, preprocessed: bool):
       fix = (f"num_components={rank}" if preprocessed
              else "preprocess=True (drops duplicated features) or num_components")
       raise ValueError(
-          f"The full model uses the average within-class covariance as its prior scale "
+          f"The {model} model uses the average within-class covariance as its prior scale "
           f"Sigma0, which must be non-singular, but its numerical rank is {rank} < D = "
           f"{dim} ({cause}). Use {fix}, or model='diag', 'tied' or 'rmds'.")
 
@@ -410,7 +426,7 @@ def _fit_prepared(prep: _Prepared, model: str, key, standard_errors: bool, optio
   if model not in ("msp", "temp_msp"):
     stats = _identical_classes_as_singletons(stats, model, stacklevel + 1)
     _check_within_class(stats, model, prep.preprocess)
-  if model == "full" and options.get("df") is not None:
+  if model in _NIW_MODELS and options.get("df") is not None:
     df = options["df"]
     validation.positive(df, "df")
     if not float(df) > stats.dim + 1:
@@ -433,7 +449,7 @@ def _fit_prepared(prep: _Prepared, model: str, key, standard_errors: bool, optio
   hyper_se = None
   if standard_errors and model in _HIERARCHICAL:
     hyper_se = eb_uncertainty.hyperparameter_standard_errors(
-        model, stats, params.hyper, df_cap=options.get("df_cap", 1e6),
+        "full" if model in _NIW_MODELS else model, stats, params.hyper, df_cap=options.get("df_cap", 1e6),
         **({"options": options["options"]} if "options" in options else {}))
   report = FitReport(info, int(stats.dim), prep.counts, _diagnostics(model, params, stats),
                      hyper_se)
@@ -599,8 +615,7 @@ def _class_and_score(det: Detector, x):
   """(class scores (M, K), OOD score (M,)) for one chunk, in transformed space."""
   p = det.params
   if det.model in DPMM_MODELS:
-    module = {"tied": tied, "full": full, "diag": diag, "coupled": coupled}[det.model]
-    class_lp, prior_lp = module.log_predictive(p, x)
+    class_lp, prior_lp = _MODULES[det.model].log_predictive(p, x)
     class_scores = p.log_counts + class_lp
     return class_scores, jax.nn.logsumexp(class_scores, -1) - prior_lp
   if det.model == "mds":

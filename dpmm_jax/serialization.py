@@ -20,7 +20,8 @@ allow_pickle=False)`` opens. It holds
     preprocessing     {"applied": bool, "input_dim": D, "output_dim": D'}
     dtype             "float32" or "float64"
     structure         model-specific sizes that the arrays' shapes do not imply
-                      (the coupled model's quadrature node counts)
+                      (the coupled model's quadrature node counts, the lowrank
+                      model's max_rank)
     arrays            [{"key", "shape", "dtype"}, ...] in pytree order
     sha256            SHA-256 (hex) of the canonical JSON of every other metadata field
                       followed by, for each array in order, its key, dtype, shape and
@@ -52,7 +53,7 @@ import numpy as np
 from dpmm_jax import api
 from dpmm_jax import preprocess as preprocess_lib
 from dpmm_jax import stats as stats_lib
-from dpmm_jax.models import coupled, diag, full, linear, mahalanobis, tied
+from dpmm_jax.models import coupled, diag, full, linear, lowrank, mahalanobis, tied
 
 FORMAT = "dpmm_jax.detector"
 FORMAT_VERSION = 1
@@ -78,6 +79,8 @@ def _structure(det: api.Detector) -> Dict[str, Any]:
   if det.model == "coupled":
     return {"score_nodes": int(det.params.class_log_weights.shape[-1]),
             "prior_nodes": int(det.params.prior_log_weights.shape[-1])}
+  if det.model == "lowrank":
+    return {"max_rank": int(det.params.factors.shape[1])}
   return {}
 
 
@@ -109,6 +112,14 @@ def _template(model: str, num_classes: int, input_dim: int, model_dim: int,
                        "(structure.score_nodes / prior_nodes).") from None
     params = jax.eval_shape(
         lambda s: coupled.params_from_hyper(coupled.init_hyper(s), s, options), stats)
+  elif model == "lowrank":
+    try:
+      max_rank = int(structure["max_rank"])
+    except (KeyError, TypeError, ValueError):
+      raise ValueError("The lowrank model's metadata lacks its rank (structure.max_rank)."
+                       ) from None
+    params = jax.eval_shape(
+        lambda s: lowrank.params_from_hyper(full.init_hyper(s), s, max_rank), stats)
   elif model in ("msp", "temp_msp"):
     params = linear.LinearHeadParams(sds(d, k), sds(k))
   else:

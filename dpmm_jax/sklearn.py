@@ -53,7 +53,7 @@ class _Base(BaseEstimator):
                mean_concentration=None, gamma_shape=None, tol=None, max_iter=None,
                df_cap=None, options=None, rtol=None, pseudo_count=None, num_steps=None,
                learning_rate=None, weight_decay=None, batch_size=None, accelerate=None,
-               prior_scale=None):
+               prior_scale=None, max_rank=None, edge_scale=None):
     self.model = model
     self.preprocess = preprocess
     self.num_components = num_components
@@ -76,6 +76,8 @@ class _Base(BaseEstimator):
     self.batch_size = batch_size
     self.accelerate = accelerate
     self.prior_scale = prior_scale
+    self.max_rank = max_rank
+    self.edge_scale = edge_scale
 
   def _model_options(self) -> Dict[str, Any]:
     return {name: getattr(self, name) for name in _MODEL_OPTION_NAMES
@@ -164,7 +166,8 @@ class OODDetector(OutlierMixin, _Base):
     contamination: share of training points below ``offset_`` (default 0.05).
     random_state: seed of the MSP heads' minibatches (other models are deterministic).
     df, mean_concentration, gamma_shape, tol, max_iter, df_cap, options, rtol,
-      pseudo_count, num_steps, learning_rate, weight_decay, batch_size: model options
+      pseudo_count, num_steps, learning_rate, weight_decay, batch_size, accelerate,
+      prior_scale, max_rank, edge_scale: model options
       (``dpmm_jax.MODEL_OPTIONS``); None = the model's default.
 
   Attributes:

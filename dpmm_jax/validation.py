@@ -238,6 +238,24 @@ def positive_int(value, name):
   return int(value)
 
 
+def non_negative(value, name):
+  try:
+    number = float(value)
+  except (TypeError, ValueError):
+    raise TypeError(f"{name} must be a non-negative finite number, got {value!r}.") from None
+  if not np.isfinite(number) or number < 0:
+    raise ValueError(f"{name} must be a non-negative finite number, got {value}.")
+  return value
+
+
+def non_negative_int(value, name):
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+    raise TypeError(f"{name} must be a non-negative integer, got {value!r}.")
+  if value < 0:
+    raise ValueError(f"{name} must be a non-negative integer, got {value}.")
+  return int(value)
+
+
 def em_options(tol, max_iter):
   positive(tol, "tol")
   if isinstance(max_iter, (bool, np.bool_)) or not isinstance(max_iter, numbers.Integral):
