@@ -493,6 +493,7 @@ MODEL_LABELS = {
     "full": "DPMM full",
     "diag": "DPMM diag",
     "coupled": "DPMM coupled",
+    "lowrank": "DPMM low-rank",
 }
 # One colour per model, the same in every figure (tab10 order).
 MODEL_COLORS = {
@@ -505,10 +506,12 @@ MODEL_COLORS = {
     "full": "#d62728",
     "diag": "#2ca02c",
     "coupled": "#9467bd",
+    "lowrank": "#ff7f0e",
 }
 MODEL_MARKERS = {
     "rmds": "o", "mds": "v", "indep_rmds": "X", "msp": "<", "temp_msp": ">",
     "tied": "s", "full": "D", "diag": "^", "coupled": "P",
+    "lowrank": "*",
 }
 # Baselines dashed, DPMMs solid.
 MODEL_LINESTYLES = {m: ("-" if m in dpmm_jax.DPMM_MODELS else "--") for m in dpmm_jax.MODELS}

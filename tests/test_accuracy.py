@@ -2,6 +2,7 @@
 whose points are all identical, the coupled model's tails (float32 side; the float64
 references are in test_accuracy_f64.py) and the tied model's empirical-Bayes prior scale.
 """
+import os
 import functools
 
 import jax
@@ -236,3 +237,18 @@ def test_accuracy_tables_smoke(tmp_path):
                "accuracy_tied_prior.md"):
     assert (tmp_path / name).exists(), name
   assert (tmp_path / "fig" / "benchmark_digits.png").stat().st_size > 5000
+
+
+def test_lowrank_study_smoke(tmp_path):
+  """experiments.lowrank_study --quick: 6 CLINC150 intents, 16 components."""
+  from experiments import lowrank_study  # pylint: disable=g-import-not-at-top
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = lowrank_study.run(str(tmp_path), os.path.join(root, "data", "clinc150_minilm"),
+                          quick=True)
+  rows = {(r["study"], r["setting"]): r for r in out["rows"]}
+  assert out["spectra"]["dim"] == 16 and out["config"]["num_classes"] == 6
+  assert ("lowrank", "fixed rank 0 (edge_scale 0)") in rows and len(rows) == len(out["rows"])
+  for r in out["rows"]:
+    assert 0.5 < r["accuracy"] <= 1.0, r     # 6 classes: chance is 1/6
+  text = (tmp_path / "lowrank_study.md").read_text()
+  assert "| lowrank | default (noise edge, max_rank 32) |" in text
