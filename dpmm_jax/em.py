@@ -61,12 +61,16 @@ class EMInfo(NamedTuple):
     can stop the loop), ``EXTRAPOLATED_STEP`` (an EM step from an accepted SQUAREM
     extrapolation), ``BOUNDARY_STEP`` (from an accepted boundary candidate),
     ``REJECTED_STEP`` (the proposal lowered L: the plain iterate is kept, a flat step).
+  magnitude_trace: (max_iter + 1,) sum |terms| of L at each recorded iterate (the scale
+    of its round-off; NaN after the last one run). A plain step that lowered L by at
+    most ``NOISE_FLOOR_ULPS`` eps times it also counts as converged.
   """
   log_marginal_trace: jax.Array
   num_iters: jax.Array
   converged: jax.Array
   newton: Any
   step_kind: Any = None
+  magnitude_trace: Any = None
 
 
 # EMInfo.step_kind codes.
@@ -115,6 +119,17 @@ def squarem_proposal(x0, x1, x2, bounds: Dict[str, Tuple[float, float]], step_ma
   return x2._replace(**updates), at_max
 
 
+# A plain EM step that lowers L by at most this many eps times the total size of L's
+# terms ends EM as converged (round-off, see ``run``).
+NOISE_FLOOR_ULPS = 8.0
+
+
+def _sum_and_magnitude(terms):
+  """(L, sum |terms|) of a log marginal likelihood given as an array of additive terms."""
+  terms = jnp.asarray(terms)
+  return jnp.sum(terms), jnp.sum(jnp.abs(terms))
+
+
 def run(step: Callable, log_marginal_likelihood: Callable, init_hyper, stats, *,
         tol: float = 1e-6, max_iter: int = 100, boundary: Optional[Callable] = None,
         boundary_every: int = 10,
@@ -124,10 +139,14 @@ def run(step: Callable, log_marginal_likelihood: Callable, init_hyper, stats, *,
 
   Args:
     step: (hyper, stats) -> (hyper, newton_info) ; one E-step and M-step.
-    log_marginal_likelihood: (hyper, stats) -> scalar.
+    log_marginal_likelihood: (hyper, stats) -> its additive terms (any shape, e.g. per
+      class; summed here) or the scalar. The terms' total size sets the round-off floor.
     init_hyper: initial hyperparameter pytree.
     stats: SufficientStats.
     tol: relative tolerance |L_t - L_{t-1}| <= tol * max(1, |L_t|) on a plain EM step.
+      A plain step that lowers L by no more than ``NOISE_FLOOR_ULPS`` eps sum|terms| also
+      ends the loop as converged: L is then at its round-off floor (in float32 a small L
+      made of large terms can wobble above tol * |L| forever).
     max_iter: iteration cap (static).
     boundary: optional (hyper, stats) -> hyper that moves concentrations whose log
       marginal likelihood still increases at their cap onto the cap (see module
@@ -143,16 +162,23 @@ def run(step: Callable, log_marginal_likelihood: Callable, init_hyper, stats, *,
   Returns:
     (hyper, EMInfo).
   """
-  lml0 = log_marginal_likelihood(init_hyper, stats)
+  lml0, mag0 = _sum_and_magnitude(log_marginal_likelihood(init_hyper, stats))
   trace = jnp.full((max_iter + 1,), jnp.nan, lml0.dtype).at[0].set(lml0)
+  mags = jnp.full((max_iter + 1,), jnp.nan, lml0.dtype).at[0].set(mag0)
   kinds = jnp.full((max_iter + 1,), -1, jnp.int32)
   _, newton0 = jax.eval_shape(step, init_hyper, stats)
   newton_init = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), newton0)
   pick = lambda flag, a, b: jax.tree_util.tree_map(lambda u, v: jnp.where(flag, u, v), a, b)
   enabled = jnp.asarray(accelerate, bool) & (extrapolate is not None)
 
-  def small_change(new_lml, lml):
-    return jnp.abs(new_lml - lml) <= tol * jnp.maximum(1.0, jnp.abs(new_lml))
+  def small_change(new_lml, lml, magnitude):
+    # Met the tolerance, or an EM step lowered L by no more than its round-off: L is a
+    # sum of terms of total size ``magnitude``, so values that differ by less than a few
+    # eps * magnitude are equal to working precision, and a plain EM step (which cannot
+    # lower L in exact arithmetic) that does so has reached the floor.
+    floor = NOISE_FLOOR_ULPS * jnp.finfo(new_lml.dtype).eps * magnitude
+    return ((jnp.abs(new_lml - lml) <= tol * jnp.maximum(1.0, jnp.abs(new_lml)))
+            | ((new_lml <= lml) & (lml - new_lml <= floor)))
 
   def cond(carry):
     return (carry["it"] < max_iter) & ~carry["converged"]
@@ -166,8 +192,8 @@ def run(step: Callable, log_marginal_likelihood: Callable, init_hyper, stats, *,
     lml, it, kind = carry["lml"], carry["it"], carry["kind"]
     pending = kind != _POINT
     new_hyper, newton = step(carry["hyper"], stats)
-    new_lml = log_marginal_likelihood(new_hyper, stats)
-    fb_hyper, fb_newton, fb_small = carry["fallback"]
+    new_lml, magnitude = _sum_and_magnitude(log_marginal_likelihood(new_hyper, stats))
+    fb_hyper, fb_newton, fb_small, fb_magnitude = carry["fallback"]
     # A boundary candidate may lower L by round-off (tol); an extrapolation may not.
     slack = jnp.where(kind == _BOUNDARY, tol * jnp.maximum(1.0, jnp.abs(lml)), 0.0)
     accept = jnp.isfinite(new_lml) & (new_lml >= lml - slack)
@@ -175,8 +201,9 @@ def run(step: Callable, log_marginal_likelihood: Callable, init_hyper, stats, *,
     new_hyper = pick(reject, fb_hyper, new_hyper)
     newton = pick(reject, fb_newton, newton)
     new_lml = jnp.where(reject, lml, new_lml)
+    magnitude = jnp.where(reject, fb_magnitude, magnitude)
     small = jnp.where(reject, fb_small,
-                      (kind != _EXTRAPOLATION) & small_change(new_lml, lml))
+                      (kind != _EXTRAPOLATION) & small_change(new_lml, lml, magnitude))
     step_kind = jnp.where(reject, REJECTED_STEP, jnp.where(
         kind == _EXTRAPOLATION, EXTRAPOLATED_STEP,
         jnp.where(kind == _BOUNDARY, BOUNDARY_STEP, PLAIN_STEP)))
@@ -205,16 +232,18 @@ def run(step: Callable, log_marginal_likelihood: Callable, init_hyper, stats, *,
                                      step_max * _STEP_FACTOR, step_max))
       carry = dict(carry, at_max=jnp.where(extrap, at_max, carry["at_max"]))
     converged = small & ~moved
-    carry = dict(carry, fallback=(new_hyper, newton, small), prev=carry["hyper"],
+    carry = dict(carry, fallback=(new_hyper, newton, small, magnitude), prev=carry["hyper"],
+                 mags=carry["mags"].at[it + 1].set(magnitude),
                  chain=~pending, step_max=step_max, kind=new_kind,
                  kinds=carry["kinds"].at[it + 1].set(step_kind))
     return dict(carry, hyper=proposal, lml=new_lml, trace=carry["trace"].at[it + 1].set(new_lml),
                 it=it + 1, converged=converged, newton=newton, tried=tried)
 
-  init = dict(hyper=init_hyper, lml=lml0, trace=trace, kinds=kinds, it=jnp.array(0, jnp.int32),
+  init = dict(hyper=init_hyper, lml=lml0, trace=trace, mags=mags, kinds=kinds,
+              it=jnp.array(0, jnp.int32),
               converged=jnp.array(False), newton=newton_init, tried=jnp.array(False),
               kind=jnp.array(_POINT, jnp.int32),
-              fallback=(init_hyper, newton_init, jnp.array(False)), prev=init_hyper,
+              fallback=(init_hyper, newton_init, jnp.array(False), mag0), prev=init_hyper,
               chain=jnp.array(False), step_max=jnp.asarray(_STEP_MAX0, lml0.dtype),
               at_max=jnp.array(False))
   out = jax.lax.while_loop(cond, body, init)
@@ -222,7 +251,8 @@ def run(step: Callable, log_marginal_likelihood: Callable, init_hyper, stats, *,
   # plain iterate whose likelihood the trace records.
   hyper = pick(out["kind"] != _POINT, out["fallback"][0], out["hyper"])
   newton = out["newton"]
-  return hyper, EMInfo(out["trace"], out["it"], out["converged"], newton, out["kinds"])
+  return hyper, EMInfo(out["trace"], out["it"], out["converged"], newton, out["kinds"],
+                       out["mags"])
 
 
 def propose_caps(step: Callable, hyper, stats, caps):

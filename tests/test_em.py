@@ -53,7 +53,11 @@ def _check_trace(info, tol, max_iter):
   # rejected one keeps the plain iterate (a flat step).
   assert np.all(steps[kinds == em.EXTRAPOLATED_STEP] >= 0), steps
   assert np.all(steps[kinds == em.REJECTED_STEP] == 0), steps
-  small = np.abs(steps) <= tol * np.maximum(1.0, np.abs(trace[1:n + 1]))
+  # The tolerance, or a plain step that lowered L within its round-off floor.
+  eps = np.finfo(np.asarray(info.log_marginal_trace).dtype).eps
+  floor = em.NOISE_FLOOR_ULPS * eps * np.asarray(info.magnitude_trace, np.float64)[1:n + 1]
+  small = ((np.abs(steps) <= tol * np.maximum(1.0, np.abs(trace[1:n + 1])))
+           | ((steps <= 0) & (-steps <= floor)))
   plain = kinds == em.PLAIN_STEP
   # EM stops at the first small plain step, unless a boundary candidate was proposed
   # there (evaluated by the next step: a boundary or a rejected step).

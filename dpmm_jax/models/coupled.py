@@ -155,9 +155,14 @@ def class_grid(hyper: Hyper, stats, num_nodes: int, half_width: float):
   return quadrature.centred_grid(mode, scale, num_nodes, half_width)
 
 
-def log_marginal_likelihood(hyper: Hyper, stats, options=QuadratureOptions()):
+def log_marginal_terms(hyper: Hyper, stats, options=QuadratureOptions()):
+  """(K,) log p(X_k | hyper), integrated over log gamma_k on the class grid."""
   grid = class_grid(hyper, stats, options.em_nodes, options.em_half_width)
-  return jnp.sum(quadrature.log_integral(grid, class_log_joint(hyper, stats, grid.nodes)))
+  return quadrature.log_integral(grid, class_log_joint(hyper, stats, grid.nodes))
+
+
+def log_marginal_likelihood(hyper: Hyper, stats, options=QuadratureOptions()):
+  return jnp.sum(log_marginal_terms(hyper, stats, options))
 
 
 def gamma_shape_derivatives(shape, stat_sum, num_classes):
@@ -203,7 +208,7 @@ def extrapolation_bounds(df_cap=1e6, shape_cap=1e6):
 def fit_hyper(stats, *, df=None, mean_concentration=None, gamma_shape=None, tol=1e-6,
               max_iter=100, df_cap=1e6, options=QuadratureOptions(), accelerate=True):
   step = functools.partial(em_step, df_cap=df_cap, options=options)
-  lml = functools.partial(log_marginal_likelihood, options=options)
+  lml = functools.partial(log_marginal_terms, options=options)
   return em.run(step, lml, init_hyper(stats, df, mean_concentration, gamma_shape), stats,
                 tol=tol, max_iter=max_iter,
                 boundary=functools.partial(tied_limit, df_cap=df_cap, options=options),

@@ -86,8 +86,13 @@ def em_step(hyper: Hyper, stats, *, df_cap=1e6):
   return hyper._replace(df=df, mean_concentration=kappa0), info
 
 
+def log_marginal_terms(hyper: Hyper, stats):
+  """(K, D) log p(X_{k,d} | hyper), each cancellation-free (``nix.log_evidence``)."""
+  return nix.log_evidence(_prior(hyper), stats.count, stats.mean, stats.sq_dev)
+
+
 def log_marginal_likelihood(hyper: Hyper, stats):
-  return jnp.sum(nix.log_evidence(_prior(hyper), stats.count, stats.mean, stats.sq_dev))
+  return jnp.sum(log_marginal_terms(hyper, stats))
 
 
 # Cap used when moving kappa0 towards infinity (class means no more spread than noise).
@@ -112,7 +117,7 @@ def extrapolation_bounds(df_cap=1e6):
 def fit_hyper(stats, *, df=None, mean_concentration=None, tol=1e-6, max_iter=100,
               df_cap=1e6, accelerate=True):
   step = functools.partial(em_step, df_cap=df_cap)
-  return em.run(step, log_marginal_likelihood, init_hyper(stats, df, mean_concentration),
+  return em.run(step, log_marginal_terms, init_hyper(stats, df, mean_concentration),
                 stats, tol=tol, max_iter=max_iter,
                 boundary=functools.partial(tied_limit, df_cap=df_cap),
                 extrapolate=extrapolation_bounds(df_cap), accelerate=accelerate)

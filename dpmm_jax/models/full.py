@@ -284,8 +284,8 @@ def fit_hyper(stats, *, df=None, mean_concentration=None, tol=1e-6, max_iter=100
     maha, stat, _, _ = _spectral_terms(hyper, summary_, dim)
     return _m_step(hyper, maha, jnp.sum(stat), num_classes, dim, df_cap, 1e-6, 100)
 
-  def lml(hyper, summary_):
-    return jnp.sum(_spectral_log_marginal(hyper, summary_, dim, log_det_mean_cov))
+  def lml(hyper, summary_):   # (K,) terms; em.run sums them
+    return _spectral_log_marginal(hyper, summary_, dim, log_det_mean_cov)
 
   def tied_limit(hyper, summary_):
     # Boundary proposal for em.run (see diag.tied_limit): nu0 (kappa0) moves onto
