@@ -9,12 +9,15 @@ Two real-feature problems:
   = those held-out images with their pixels shuffled by one fixed permutation (same
   intensities, no stroke structure). ``write_digits`` writes them as feature files.
 
+* issue 12's synthetic problem: the section-6.1 generative process at K = 100, D = 64,
+  N_k = 50, nu0 = 74, with 2000 points of unseen classes as the OOD set.
+
 Each problem runs through ``experiments.benchmark`` (every model), and a small table
 compares the tied model's prior scale (empirical Bayes vs the paper's total covariance)
-with RMDS. Outputs: ``<output_dir>/benchmark_{clinc150,digits}.{json,md,csv}``,
+with RMDS. Outputs: ``<output_dir>/benchmark_{clinc150,digits,synthetic}.{json,md,csv}``,
 ``<output_dir>/accuracy_tied_prior.{json,md}`` and figures in ``--accuracy_figure_dir``.
 
-The one command that regenerates the tables (about 15 min on 2 CPU cores):
+The one command that regenerates the tables (about 10-20 min on 2 CPU cores):
 
   python -m experiments.accuracy_tables --output_dir=docs/results \
       --accuracy_figure_dir=docs/figures
@@ -72,6 +75,24 @@ def write_digits(out_dir: str, seed: int = 0) -> Dict[str, Any]:
   return paths
 
 
+def write_synthetic(out_dir: str, seed: int = 0) -> Dict[str, Any]:
+  """Writes issue 12's synthetic problem (section-6.1 generative process, K = 100,
+  D = 64, N_k = 50, nu0 = D + 10) as feature files: the OOD set is one point from each
+  of 2000 fresh classes of the same prior (unseen classes), listed as far OOD."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from dpmm_jax import synthetic  # pylint: disable=g-import-not-at-top
+  ds = synthetic.make_dataset(jax.random.PRNGKey(seed), num_classes=100, dim=64,
+                              nu0=74.0, num_train_per_class=50, num_test_per_class=20,
+                              num_ood=2000)
+  os.makedirs(out_dir, exist_ok=True)
+  save = lambda name, x, y=None: feature_files.save_npz(  # noqa: E731
+      os.path.join(out_dir, name), np.asarray(x),
+      None if y is None else np.asarray(y).astype(np.int32))
+  return dict(train=save("train.npz", ds.x_train, ds.y_train),
+              test=save("test.npz", ds.x_test, ds.y_test), near={},
+              far={"unseen_classes": save("ood_unseen_classes.npz", ds.x_ood)})
+
+
 def _tied_prior_table(problems: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
   """AUROC (ID test vs every OOD set) of RMDS and the tied model with both Sigma0."""
   rows = []
@@ -103,14 +124,15 @@ def _tied_prior_table(problems: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
   return {"rows": rows, "table": "AUROC (%), ID test vs all OOD sets together.\n\n" + table}
 
 
-def run(output_dir: Optional[str], *, problems: Sequence[str] = ("digits", "clinc150"),
+def run(output_dir: Optional[str], *,
+        problems: Sequence[str] = ("digits", "clinc150", "synthetic"),
         clinc_dir: str = "data/clinc150_minilm", figure_dir: Optional[str] = None,
         models: Sequence[str] = dpmm_jax.MODELS, seed: int = 0) -> Dict[str, Any]:
   """Runs the benchmark on each problem and the tied prior-scale comparison.
 
   Args:
     output_dir: where the tables go (None: nothing is written).
-    problems: subset of ("digits", "clinc150").
+    problems: subset of ("digits", "clinc150", "synthetic").
     clinc_dir: CLINC150 feature files.
     figure_dir: where the figures go (default output_dir).
     models: models for the benchmark tables.
@@ -123,6 +145,8 @@ def run(output_dir: Optional[str], *, problems: Sequence[str] = ("digits", "clin
     files = {}
     if "digits" in problems:
       files["digits"] = write_digits(os.path.join(work, "digits"), seed)
+    if "synthetic" in problems:
+      files["synthetic"] = write_synthetic(os.path.join(work, "synthetic"), seed)
     if "clinc150" in problems:
       files["clinc150"] = dict(
           train=os.path.join(clinc_dir, CLINC_FILES["train"]),
@@ -130,7 +154,9 @@ def run(output_dir: Optional[str], *, problems: Sequence[str] = ("digits", "clin
           near={k: os.path.join(clinc_dir, v) for k, v in CLINC_FILES["near"].items()},
           far={k: os.path.join(clinc_dir, v) for k, v in CLINC_FILES["far"].items()})
     titles = {"digits": "scikit-learn digits (8x8 pixels, D = 64): digits 0-4 ID, 5-9 OOD",
-              "clinc150": "CLINC150 (all-MiniLM-L6-v2 features, D = 384, K = 120)"}
+              "clinc150": "CLINC150 (all-MiniLM-L6-v2 features, D = 384, K = 120)",
+              "synthetic": "Synthetic (section-6.1 process, K = 100, D = 64, N_k = 50, "
+                           "nu0 = 74): OOD = points of 2000 unseen classes"}
     out = {"benchmarks": {}}
     for name, f in files.items():
       logging.info("Benchmark on %s", name)
@@ -160,7 +186,7 @@ def run(output_dir: Optional[str], *, problems: Sequence[str] = ("digits", "clin
 
 def main(argv):
   del argv
-  problems = ("digits",) if common.quick() else ("digits", "clinc150")
+  problems = ("digits",) if common.quick() else ("digits", "clinc150", "synthetic")
   run(common.output_dir_flag(), problems=problems, clinc_dir=_CLINC_DIR.value,
       figure_dir=_FIGURE_DIR.value,
       models=common.models_flag(),
