@@ -10,7 +10,7 @@ Two real-feature problems:
   intensities, no stroke structure). ``write_digits`` writes them as feature files.
 
 * issue 12's synthetic problem: the section-6.1 generative process at K = 100, D = 64,
-  N_k = 50, nu0 = 74, with 2000 points of unseen classes as the OOD set.
+  N_k = 50, nu0 = 74, kappa0 = 4, with 2000 points of unseen classes as the OOD set.
 
 Each problem runs through ``experiments.benchmark`` (every model), and a small table
 compares the tied model's prior scale (empirical Bayes vs the paper's total covariance)
@@ -77,12 +77,14 @@ def write_digits(out_dir: str, seed: int = 0) -> Dict[str, Any]:
 
 def write_synthetic(out_dir: str, seed: int = 0) -> Dict[str, Any]:
   """Writes issue 12's synthetic problem (section-6.1 generative process, K = 100,
-  D = 64, N_k = 50, nu0 = D + 10) as feature files: the OOD set is one point from each
-  of 2000 fresh classes of the same prior (unseen classes), listed as far OOD."""
+  D = 64, N_k = 50, nu0 = D + 10, kappa0 = 4: class means spread half as far as the
+  within-class noise) as feature files: the OOD set is one point from each of 2000 fresh
+  classes of the same prior (unseen classes), listed as far OOD."""
   import jax  # pylint: disable=g-import-not-at-top
   from dpmm_jax import synthetic  # pylint: disable=g-import-not-at-top
   ds = synthetic.make_dataset(jax.random.PRNGKey(seed), num_classes=100, dim=64,
-                              nu0=74.0, num_train_per_class=50, num_test_per_class=20,
+                              nu0=74.0, kappa0=4.0, num_train_per_class=50,
+                              num_test_per_class=20,
                               num_ood=2000)
   os.makedirs(out_dir, exist_ok=True)
   save = lambda name, x, y=None: feature_files.save_npz(  # noqa: E731
@@ -156,7 +158,7 @@ def run(output_dir: Optional[str], *,
     titles = {"digits": "scikit-learn digits (8x8 pixels, D = 64): digits 0-4 ID, 5-9 OOD",
               "clinc150": "CLINC150 (all-MiniLM-L6-v2 features, D = 384, K = 120)",
               "synthetic": "Synthetic (section-6.1 process, K = 100, D = 64, N_k = 50, "
-                           "nu0 = 74): OOD = points of 2000 unseen classes"}
+                           "nu0 = 74, kappa0 = 4): OOD = points of 2000 unseen classes"}
     out = {"benchmarks": {}}
     for name, f in files.items():
       logging.info("Benchmark on %s", name)
