@@ -448,8 +448,10 @@ def _fit_prepared(prep: _Prepared, model: str, key, standard_errors: bool, optio
   _check_finite_params(det)
   hyper_se = None
   if standard_errors and model in _HIERARCHICAL:
+    # lowrank's hyperparameters are the full model's (same prior, same EM).
     hyper_se = eb_uncertainty.hyperparameter_standard_errors(
-        "full" if model in _NIW_MODELS else model, stats, params.hyper, df_cap=options.get("df_cap", 1e6),
+        "full" if model in _NIW_MODELS else model, stats, params.hyper,
+        df_cap=options.get("df_cap", 1e6),
         **({"options": options["options"]} if "options" in options else {}))
   report = FitReport(info, int(stats.dim), prep.counts, _diagnostics(model, params, stats),
                      hyper_se)

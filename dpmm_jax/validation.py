@@ -214,13 +214,32 @@ def labels(y, num_points: int, num_classes=None, name: str = "y"):
   return arr.astype(np.int32), num_classes
 
 
-def positive(value, name):
+def _number(value, name, what: str, allowed) -> None:
+  """Raises unless ``value`` is a finite number with ``allowed(value)``."""
   try:
     number = float(value)
   except (TypeError, ValueError):
-    raise TypeError(f"{name} must be a positive finite number, got {value!r}.") from None
-  if not np.isfinite(number) or number <= 0:
-    raise ValueError(f"{name} must be a positive finite number, got {value}.")
+    raise TypeError(f"{name} must be a {what} finite number, got {value!r}.") from None
+  if not np.isfinite(number) or not allowed(number):
+    raise ValueError(f"{name} must be a {what} finite number, got {value}.")
+
+
+def _integer(value, name, what: str, smallest: int) -> int:
+  """Raises unless ``value`` is an integer (not a bool) >= ``smallest``."""
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+    raise TypeError(f"{name} must be a {what} integer, got {value!r}.")
+  if value < smallest:
+    raise ValueError(f"{name} must be a {what} integer, got {value}.")
+  return int(value)
+
+
+def positive(value, name):
+  _number(value, name, "positive", lambda v: v > 0)
+  return value
+
+
+def non_negative(value, name):
+  _number(value, name, "non-negative", lambda v: v >= 0)
   return value
 
 
@@ -231,29 +250,11 @@ def positive_or_none(value, name):
 
 
 def positive_int(value, name):
-  if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-    raise TypeError(f"{name} must be a positive integer, got {value!r}.")
-  if value < 1:
-    raise ValueError(f"{name} must be a positive integer, got {value}.")
-  return int(value)
-
-
-def non_negative(value, name):
-  try:
-    number = float(value)
-  except (TypeError, ValueError):
-    raise TypeError(f"{name} must be a non-negative finite number, got {value!r}.") from None
-  if not np.isfinite(number) or number < 0:
-    raise ValueError(f"{name} must be a non-negative finite number, got {value}.")
-  return value
+  return _integer(value, name, "positive", 1)
 
 
 def non_negative_int(value, name):
-  if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-    raise TypeError(f"{name} must be a non-negative integer, got {value!r}.")
-  if value < 0:
-    raise ValueError(f"{name} must be a non-negative integer, got {value}.")
-  return int(value)
+  return _integer(value, name, "non-negative", 0)
 
 
 def em_options(tol, max_iter):

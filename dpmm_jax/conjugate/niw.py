@@ -46,6 +46,26 @@ def prior(loc, mean_cov, df, mean_concentration) -> NIW:
              (df - dim - 1.0)[..., None, None] * mean_cov)
 
 
+def posterior_location(prior_: NIW, count, mean):
+  """(loc (K, D), kappa (K,), nu (K,)) of the posterior: everything but its scale.
+
+  kappa0 may be a scalar or (K,) (a posterior used as the prior of more data).
+  """
+  kappa0 = prior_.mean_concentration
+  kappa = kappa0 + count
+  loc = (jnp.asarray(kappa0)[..., None] * prior_.loc + count[:, None] * mean) / kappa[:, None]
+  return loc, kappa, prior_.df + count
+
+
+def evidence(prior_: NIW, count, mean, scatter):
+  """(K, D, D) the data's part of the posterior scale, Psi' - Psi0 (rank <= N_k):
+  S + kappa0 N / (kappa0 + N) (xbar - mu0)(xbar - mu0)^T, formed without Psi0."""
+  kappa0 = prior_.mean_concentration
+  diff = mean - prior_.loc
+  shrink = kappa0 * count / (kappa0 + count)
+  return scatter + shrink[:, None, None] * diff[:, :, None] * diff[:, None, :]
+
+
 def posterior(prior_: NIW, count, mean, scatter) -> NIW:
   """Conjugate update from centred statistics (exact in float32).
 
@@ -57,15 +77,9 @@ def posterior(prior_: NIW, count, mean, scatter) -> NIW:
   Returns:
     NIW with leading axis K.
   """
-  kappa0, nu0 = prior_.mean_concentration, prior_.df
-  kappa = kappa0 + count
-  # kappa0 may be a scalar or (K,) (a posterior used as the prior of more data).
-  loc = (jnp.asarray(kappa0)[..., None] * prior_.loc + count[:, None] * mean) / kappa[:, None]
-  diff = mean - prior_.loc
-  shrink = kappa0 * count / kappa
-  scale = (prior_.scale + scatter
-           + shrink[:, None, None] * diff[:, :, None] * diff[:, None, :])
-  return NIW(loc, kappa, nu0 + count, linalg.symmetrize(scale))
+  loc, kappa, df = posterior_location(prior_, count, mean)
+  scale = prior_.scale + evidence(prior_, count, mean, scatter)
+  return NIW(loc, kappa, df, linalg.symmetrize(scale))
 
 
 def log_normalizer(niw: NIW, chol_scale=None):
@@ -228,11 +242,16 @@ class Predictive(NamedTuple):
   log_normalizer: jax.Array
 
 
+def predictive_df_and_factor(mean_concentration, df, dim: int):
+  """(nu - D + 1, (kappa + 1) / (kappa (nu - D + 1))): the predictive Student-t's degrees
+  of freedom and the factor that turns Psi into its scale matrix."""
+  pred_df = df - dim + 1.0
+  return pred_df, (mean_concentration + 1.0) / (mean_concentration * pred_df)
+
+
 def predictive(niw: NIW) -> Predictive:
   """St(nu - D + 1, mu, (kappa + 1) / (kappa (nu - D + 1)) Psi) (not nu dof: a known trap)."""
-  dim = niw.loc.shape[-1]
-  df = niw.df - dim + 1.0
-  factor = (niw.mean_concentration + 1.0) / (niw.mean_concentration * df)
+  df, factor = predictive_df_and_factor(niw.mean_concentration, niw.df, niw.loc.shape[-1])
   chol = jnp.linalg.cholesky(factor[..., None, None] * niw.scale)
   return Predictive(df, niw.loc, chol, student_t.mvt_log_normalizer(df, chol))
 

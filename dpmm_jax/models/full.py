@@ -314,6 +314,18 @@ def params_from_hyper(hyper: Hyper, stats) -> Params:
 _fit = em.jit_fit(fit_hyper, params_from_hyper)
 
 
+def check_fit_arguments(stats, tol, max_iter, df, mean_concentration,
+                        model: str = "full-covariance"):
+  """Host-side checks of the NIW models' fit arguments (``full`` and ``lowrank``)."""
+  if stats.scatter is None:
+    raise ValueError(f"The {model} model needs full statistics (full=True).")
+  checks.em_options(tol, max_iter)
+  if df is not None and not float(df) > stats.dim + 1:
+    raise ValueError(f"Initial df (nu0) must exceed D + 1 = {stats.dim + 1} for the NIW "
+                     f"prior with E[Sigma] = Sigma0; got {df}.")
+  checks.positive_or_none(mean_concentration, "mean_concentration")
+
+
 def fit(stats, *, df=None, mean_concentration=None, tol=1e-6, max_iter=100, df_cap=1e6,
         accelerate=True):
   """Fits hyperparameters by EM and precomputes the predictives: (Params, EMInfo).
@@ -324,13 +336,7 @@ def fit(stats, *, df=None, mean_concentration=None, tol=1e-6, max_iter=100, df_c
     ValueError: missing full statistics, or an initial df <= D + 1 (the NIW prior with
       E[Sigma] = Sigma0 needs nu0 > D + 1).
   """
-  if stats.scatter is None:
-    raise ValueError("The full-covariance model needs full statistics (full=True).")
-  checks.em_options(tol, max_iter)
-  if df is not None and not float(df) > stats.dim + 1:
-    raise ValueError(f"Initial df (nu0) must exceed D + 1 = {stats.dim + 1} for the NIW "
-                     f"prior with E[Sigma] = Sigma0; got {df}.")
-  checks.positive_or_none(mean_concentration, "mean_concentration")
+  check_fit_arguments(stats, tol, max_iter, df, mean_concentration)
   return _fit(stats, df=df, mean_concentration=mean_concentration, tol=tol,
               max_iter=max_iter, df_cap=df_cap, accelerate=accelerate)
 

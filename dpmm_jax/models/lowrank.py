@@ -9,7 +9,7 @@ class posteriors ``IW(nu0 + N_k, Psi0 + B_k)`` with the class evidence
 
 With fewer points than dimensions (N_k < D) most of B_k is sampling noise: the full
 model's predictive then trusts a rank-N_k scatter in every direction, and loses accuracy
-(CLINC150, N_k = 50, D = 381: 90.0 % against RMDS's 93.7 %; docs/results/lowrank_*.md).
+(CLINC150, N_k = 50, D = 381: 90.0 % against RMDS's 93.7 %; docs/results/lowrank_study.md).
 Here each class keeps only the directions of B_k that stand above that noise. In
 Sigma0-whitened coordinates (``L0 L0^T = Sigma0``) a class whose covariance is Sigma0
 gives a scatter whose eigenvalues lie below the Marchenko-Pastur edge
@@ -38,6 +38,7 @@ from dpmm_jax import blocks
 from dpmm_jax import linalg
 from dpmm_jax import student_t
 from dpmm_jax import validation as checks
+from dpmm_jax.conjugate import niw
 from dpmm_jax.models import full
 
 KAPPA_CAP = full.KAPPA_CAP
@@ -81,13 +82,6 @@ def noise_edge(count, dim: int):
   return (jnp.sqrt(jnp.maximum(count - 1.0, 0.0)) + jnp.sqrt(jnp.asarray(dim, count.dtype))) ** 2
 
 
-def _class_evidence(hyper: full.Hyper, count, mean, scatter):
-  """(kb, D, D) B_k = S_k + kappa0 N_k / (kappa0 + N_k) d d^T, d = xbar_k - mu0."""
-  shrink = hyper.mean_concentration * count / (hyper.mean_concentration + count)
-  d = mean - hyper.loc
-  return scatter + shrink[:, None, None] * d[:, :, None] * d[:, None, :]
-
-
 def params_from_hyper(hyper: full.Hyper, stats, max_rank: int = DEFAULT_MAX_RANK,
                       edge_scale=1.0) -> Params:
   """Class predictives with the directions of B_k above ``edge_scale`` x the noise edge.
@@ -97,6 +91,7 @@ def params_from_hyper(hyper: full.Hyper, stats, max_rank: int = DEFAULT_MAX_RANK
   dim = stats.dim
   rank = int(min(max_rank, dim))
   dtype = stats.mean.dtype
+  prior = full._prior(hyper)
   a = hyper.df - dim - 1.0
   chol0 = jnp.linalg.cholesky(hyper.mean_cov)
   inv0 = linalg.triangular_inverse(chol0)                            # L0^-1
@@ -105,7 +100,7 @@ def params_from_hyper(hyper: full.Hyper, stats, max_rank: int = DEFAULT_MAX_RANK
 
   def block(per_class):
     count, mean, scatter = per_class
-    evidence = inv0 @ _class_evidence(hyper, count, mean, scatter) @ inv0.T
+    evidence = inv0 @ niw.evidence(prior, count, mean, scatter) @ inv0.T
     values, vectors = jnp.linalg.eigh(linalg.symmetrize(evidence))  # ascending
     edge = edge_scale * noise_edge(count, dim)
     above = values > edge[:, None]
@@ -122,14 +117,13 @@ def params_from_hyper(hyper: full.Hyper, stats, max_rank: int = DEFAULT_MAX_RANK
   factors, log_det_low, num_spikes = blocks.map_blocks(
       block, (stats.count, stats.mean, stats.scatter),
       full._em_block_size(stats.num_classes, dim))
-  kappa = hyper.mean_concentration + stats.count
-  loc = (hyper.mean_concentration * hyper.loc + stats.count[:, None] * stats.mean) / kappa[:, None]
-  df = hyper.df + stats.count - dim + 1.0
-  scale = a * (kappa + 1.0) / (kappa * df)
+  loc, kappa, post_df = niw.posterior_location(prior, stats.count, stats.mean)
+  df, factor = niw.predictive_df_and_factor(kappa, post_df, dim)
+  scale = a * factor
   log_det = dim * jnp.log(scale) + log_det0 + log_det_low
   log_normalizer = student_t.t_log_normalizer(df, dim) - 0.5 * log_det
-  prior_df = hyper.df - dim + 1.0
-  prior_scale = a * (hyper.mean_concentration + 1.0) / (hyper.mean_concentration * prior_df)
+  prior_df, prior_factor = niw.predictive_df_and_factor(hyper.mean_concentration, hyper.df, dim)
+  prior_scale = a * prior_factor
   prior_log_normalizer = (student_t.t_log_normalizer(prior_df, dim)
                           - 0.5 * (dim * jnp.log(prior_scale) + log_det0))
   return Params(hyper, inv0.T, loc, factors, scale, df, log_normalizer, num_spikes,
@@ -157,15 +151,9 @@ def fit(stats, *, df=None, mean_concentration=None, tol=1e-6, max_iter=100, df_c
   Returns:
     (Params, EMInfo).
   """
-  if stats.scatter is None:
-    raise ValueError("The lowrank model needs full statistics (full=True).")
-  checks.em_options(tol, max_iter)
+  full.check_fit_arguments(stats, tol, max_iter, df, mean_concentration, "lowrank")
   max_rank = checks.non_negative_int(max_rank, "max_rank")
   checks.non_negative(edge_scale, "edge_scale")
-  if df is not None and not float(df) > stats.dim + 1:
-    raise ValueError(f"Initial df (nu0) must exceed D + 1 = {stats.dim + 1} for the NIW "
-                     f"prior with E[Sigma] = Sigma0; got {df}.")
-  checks.positive_or_none(mean_concentration, "mean_concentration")
   return _fit(stats, df=df, mean_concentration=mean_concentration, tol=tol,
               max_iter=max_iter, df_cap=df_cap, accelerate=accelerate, max_rank=max_rank,
               edge_scale=edge_scale)
