@@ -13,8 +13,8 @@ are ID accuracy and AUROC of the ID test against the near (held-out domains) and
 3. **lowrank**: the noise-edge rule (default) with caps, and fixed ranks (``edge_scale=0``).
 4. **diag**: the fitted per-coordinate nu0_d and kappa0_d scaled.
 
-Outputs ``<output_dir>/lowrank_study.{json,md}``. About 5 minutes on 2 CPU cores;
-``--quick`` runs a 6-class, 16-component version with fewer rows (smoke tests).
+Outputs ``<output_dir>/lowrank_study.{json,md}``. 105 s on 2 CPU cores (the run behind
+docs/results); ``--quick`` runs a 6-class, 16-component version with fewer rows (smoke tests).
 
   python -m experiments.lowrank_study --output_dir=docs/results
 """
@@ -172,6 +172,12 @@ def markdown(result) -> str:
       f"coordinates: participation ratio (10/50/90 %) "
       + "/".join(f"{v:.0f}" for v in pr) + f" of D = {sp['dim']}; largest squared "
       "loading " + "/".join(f"{v:.3f}" for v in ld) + ".")
+  diag_em = next((r for r in result["rows"] if "nu0_quantiles" in r), None)
+  if diag_em is not None:
+    lo, mid, hi = diag_em["nu0_quantiles"]
+    spectra += (f"\n\ndiag, EM: nu0_d min / median / max {lo:.1f} / {mid:.1f} / {hi:.1f}; "
+                f"kappa0_d at its cap in {100 * diag_em['kappa0_at_cap_share']:.0f} % of the "
+                "directions.")
   return (f"CLINC150 (K = {cfg['num_classes']}, N_k = {cfg['points_per_class']}, D = "
           f"{cfg['dim']} after preprocessing){' (quick)' if cfg['quick'] else ''}. Values "
           f"in %. One fit per row; {cfg['seconds']} s in all.\n\n{table}\n\n{spectra}\n")
