@@ -18,6 +18,7 @@ import numpy as np
 
 from dpmm_jax import compilation_cache
 from dpmm_jax import eb_uncertainty
+from dpmm_jax import precision
 from dpmm_jax import preprocess as preprocess_lib
 from dpmm_jax import scores as scores_lib
 from dpmm_jax import stats as stats_lib
@@ -250,6 +251,7 @@ def _fit_model(model, stats, x_fn, y, key, options):
   return _MODULES[model].fit(stats, **options)
 
 
+@precision.float32_matmuls
 def _check_within_class(stats, model: str, preprocessed: bool):
   """Rejects training data whose within-class covariance cannot carry the model.
 

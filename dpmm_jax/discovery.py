@@ -68,6 +68,7 @@ import numpy as np
 
 from dpmm_jax import blocks
 from dpmm_jax import linalg
+from dpmm_jax import precision
 from dpmm_jax import preprocess as preprocess_lib
 from dpmm_jax import stats as stats_lib
 from dpmm_jax import student_t
@@ -249,6 +250,7 @@ def elbo_at(params: Params, y, priors: Priors, resp):
 
 
 # -------------------------------------------------------------------------- M-step
+@precision.float32_matmuls
 def _diag_stats(y, resp):
   """(count (K,), mean (K, D), centred squared deviations (K, D)), one class at a time."""
   count = jnp.sum(resp, 0)
@@ -361,6 +363,7 @@ def predictive_log_density(components, y):
   return blocks.map_class_blocks(functools.partial(diag_model.t_terms_block, y), terms, size)
 
 
+@precision.float32_matmuls
 def _kmeans_pp(key, y, mask, num_centres: int, num_lloyd: int = 25):
   """k-means++ seeding and Lloyd iterations on the rows where ``mask`` is True.
 
@@ -459,6 +462,7 @@ def _paper_novelty_prior(dim: int, dtype, full: bool):
   return nix.NIX(jnp.zeros((dim,), dtype), jnp.full((dim,), 0.1, dtype), df, 10.0 / df)
 
 
+@precision.float32_matmuls
 def _class_posteriors(det):
   """(known-class NIW/NIX posteriors (J, ...), EB prior H, training counts (J,)).
 

@@ -21,6 +21,7 @@ from jax.flatten_util import ravel_pytree
 from dpmm_jax import discovery
 from dpmm_jax import gmm
 from dpmm_jax import lrvb
+from dpmm_jax import precision
 from dpmm_jax.conjugate import dirichlet, niw
 
 FUNCTIONALS = ("novelty_weight", "class_weights", "means")
@@ -88,6 +89,7 @@ class Covariances(NamedTuple):
     return lrvb.standard_deviations(self.block(name, mean_field))
 
 
+@precision.float32_matmuls
 def _mean_field(params: discovery.Params):
   """Cov_q of the same functionals (block diagonal: q factorises)."""
   eta = params.concentration

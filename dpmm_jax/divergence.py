@@ -77,6 +77,7 @@ import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
+from dpmm_jax import precision
 from dpmm_jax import validation
 
 KINDS = ("tv", "hellinger", "kl", "alpha")
@@ -900,6 +901,7 @@ def summarize(out: ChainOutput, kind: str, credible_level: float = 0.95,
 
 # ------------------------------------------------------------------ kNN baseline
 
+@precision.float32_matmuls
 def knn_kl(X, Y, k: int = 1, chunk: int = 2048) -> float:
   """Perez-Cruz (2008) k-nearest-neighbour estimate of KL(P || Q) from X ~ P, Y ~ Q.
 

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dpmm_jax import precision
 from dpmm_jax import quadrature
 from dpmm_jax.conjugate import niw, nix
 from dpmm_jax.models import coupled, diag, full
@@ -187,6 +188,7 @@ def _vech_basis(dim, dtype):
 
 
 @jax.jit
+@precision.float32_matmuls
 def _full_sandwich_pieces(hyper: full.Hyper, stats):
   """Per-class estimating functions psi_k (K, P) and A = d sum_k psi_k / d theta."""
   dim = hyper.loc.shape[-1]
@@ -234,6 +236,7 @@ def _diag_sandwich_pieces(hyper: diag.Hyper, stats):
   return per_class, jnp.stack(cols, -1)                                      # (D, 4, 4)
 
 
+@precision.float32_matmuls
 def _sandwich(per_class, a, keep):
   """A^-1 B A^-T restricted to the ``keep`` parameters (others: fixed moment rows)."""
   b = per_class.T @ per_class

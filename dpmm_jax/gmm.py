@@ -33,6 +33,7 @@ from jax.scipy.linalg import cho_solve, solve_triangular
 
 from dpmm_jax import linalg
 from dpmm_jax import lrvb
+from dpmm_jax import precision
 from dpmm_jax import special
 from dpmm_jax import stats as stats_lib
 from dpmm_jax import validation
@@ -130,6 +131,7 @@ def m_step(prior: Prior, x, resp) -> State:
                niw.posterior(prior.components, st.count, st.mean, st.scatter))
 
 
+@precision.float32_matmuls
 def _kmeans_labels(x, key, num_components, num_iters):
   n = x.shape[0]
   centres = x[jax.random.choice(key, n, (num_components,), replace=False)]
@@ -246,6 +248,7 @@ def _tril_basis(dim, dtype):
   return jnp.zeros((n, dim, dim), dtype).at[jnp.arange(n), rows, cols].set(1.0)
 
 
+@precision.float32_matmuls
 def _unpack(chart: Chart):
   """(U (K, D, D) lower with Psi^-1 = U U^T, log|Psi^-1| (K,), df (K,), kappa (K,))."""
   dim = chart.loc.shape[-1]
@@ -258,6 +261,7 @@ def _unpack(chart: Chart):
       chart.log_mean_concentration)
 
 
+@precision.float32_matmuls
 def from_chart(chart: Chart) -> State:
   u, _, df, kappa = _unpack(chart)
   dim = chart.loc.shape[-1]
@@ -267,6 +271,7 @@ def from_chart(chart: Chart) -> State:
   return State(jnp.exp(chart.log_concentration), niw.NIW(chart.loc, kappa, df, scale))
 
 
+@precision.float32_matmuls
 def chart_elbo(chart: Chart, prior: Prior, x):
   """The profiled ELBO (``elbo``) evaluated from a Chart without solves or Choleskys.
 
@@ -300,6 +305,7 @@ def chart_elbo(chart: Chart, prior: Prior, x):
   return data - kl
 
 
+@precision.float32_matmuls
 def chart_functionals(chart: Chart, prior: Prior = None, x=None):
   """All named functionals (``FUNCTIONALS`` order) from a Chart, solve-free."""
   del prior, x
@@ -387,6 +393,7 @@ def lrvb_covariance(state: State, prior: Prior, x, *, method: str = "dense",
   return Covariances(cov, info, from_chart(chart))
 
 
+@precision.float32_matmuls
 def mean_field_covariance(state: State, name: str = "means"):
   """Cov_q of the same functional under the mean-field q (block diagonal over k).
 
@@ -427,6 +434,7 @@ class GibbsSamples(NamedTuple):
   precisions: jax.Array
 
 
+@precision.float32_matmuls
 def _sample_components(key, post: niw.NIW):
   """(mu (K, D), Lambda (K, D, D)) with Lambda ~ Wishart(nu, Psi^-1), mu ~ N(m, (kappa
   Lambda)^-1): Bartlett A (A_ii^2 ~ chi^2(nu - i), A_ij ~ N(0, 1) below), Psi = C C^T,
@@ -446,6 +454,7 @@ def _sample_components(key, post: niw.NIW):
   return mu, 0.5 * (prec + jnp.swapaxes(prec, -1, -2))
 
 
+@precision.float32_matmuls
 def _gibbs_step(prior: Prior, x, carry, key):
   weights, means, prec = carry
   num, dim = means.shape

@@ -74,6 +74,7 @@ import numpy as np
 from jax.scipy import special as jsp
 from jax.scipy.linalg import cho_solve
 
+from dpmm_jax import precision
 from dpmm_jax import stats
 from dpmm_jax import validation
 from dpmm_jax.conjugate import gamma
@@ -84,6 +85,7 @@ _MAX_HALVINGS = 40
 
 
 # ----------------------------------------------------------------------- kernel, Nystrom
+@precision.float32_matmuls
 def rbf_kernel(a, b, amplitude=1.0, length_scale=0.1):
   """(A, B) k(a_i, b_j) = amplitude^2 exp(-|a_i - b_j|^2 / length_scale^2).
 
@@ -134,6 +136,7 @@ def nystrom(locations, inducing, amplitude=1.0, length_scale=0.1, jitter=None) -
   return Nystrom(inducing, cross, jnp.linalg.cholesky(gram), amplitude, length_scale, jitter)
 
 
+@precision.float32_matmuls
 def kernel_matvec(nys: Nystrom, v):
   """(N, K) Nystrom kernel product K_{n*} (K_eps^-1 (K_{*n} v)); never forms N x N.
 
@@ -144,6 +147,7 @@ def kernel_matvec(nys: Nystrom, v):
   return nys.cross.T @ cho_solve((nys.chol, True), nys.cross @ v)
 
 
+@precision.float32_matmuls
 def field_at(nys: Nystrom, weights, locations=None):
   """f = K(l, l*) u: (N, K) at the training locations, or (M', K) at new ``locations``."""
   if locations is None:
@@ -167,6 +171,7 @@ def default_num_per_dim(num_points: int, loc_dim: int, fraction: float = 0.05) -
 
 
 # ----------------------------------------------------------------------------- k-means
+@precision.float32_matmuls
 def kmeans(x, num_clusters: int, key, num_iters: int = 20):
   """(K, D) k-means centres: k-means++ seeding then ``num_iters`` Lloyd iterations.
 
@@ -225,6 +230,7 @@ class State(NamedTuple):
   step_size: jax.Array
 
 
+@precision.float32_matmuls
 def default_prior(x, concentration=1.0) -> Prior:
   """The paper's empirical prior: mu0 = mean(x), R0 = cov(x)^-1, nu0 = D, E[R] = R0.
 
@@ -293,6 +299,7 @@ class FieldStep(NamedTuple):
   gain: jax.Array
 
 
+@precision.float32_matmuls
 def field_gradient(state: State, nys: Nystrom):
   """(M, K) gradient of the bound in u with xi at its optimum: K_{*n} r - K_eps u."""
   log_mean_z = jnp.log(gamma.mean(state.gamma_shape, state.gamma_rate))
@@ -303,6 +310,7 @@ def field_gradient(state: State, nys: Nystrom):
   return nys.cross @ r - gram_u
 
 
+@precision.float32_matmuls
 def update_field(state: State, nys: Nystrom, max_step=1.0):
   """Preconditioned gradient step on u with a backtracking rho (module notes).
 
@@ -366,6 +374,7 @@ def sweep(x, state: State, prior: Prior, nys: Nystrom, update_field_: bool = Tru
   return update_responsibilities(x, state)
 
 
+@precision.float32_matmuls
 def bound(x, state: State, prior: Prior, nys: Nystrom):
   """The evidence lower bound L (module docstring) at ``state``, xi taken from the state.
 

@@ -5,6 +5,7 @@ from jax.scipy.linalg import cho_solve
 from jax.scipy.linalg import solve_triangular
 
 from dpmm_jax import blocks
+from dpmm_jax import precision
 
 
 def default_rtol(dtype) -> float:
@@ -43,6 +44,7 @@ def whitener(cov, rtol=None):
   return vectors * jnp.sqrt(1.0 / values)[..., None, :]
 
 
+@precision.float32_matmuls
 def mahalanobis_sq(x, loc, white, centre=None):
   """Squared Mahalanobis distances |(x - loc) W|^2, centred before squaring.
 
@@ -75,6 +77,7 @@ _TRIANGLE_BLOCKS = 4
 _INVERSE_BASE = 128
 
 
+@precision.float32_matmuls
 def triangular_inverse(chol):
   """Inverse of lower-triangular matrices (..., D, D) by recursive blocking.
 
@@ -101,6 +104,7 @@ def triangle_row_blocks(dim: int):
   return [(lo, hi) for lo, hi in zip(edges[:-1], edges[1:]) if hi > lo]
 
 
+@precision.float32_matmuls
 def triangular_mahalanobis_sq(x, loc, inv):
   """(kb, M) squared norms |inv_k (x_m - loc_k)|^2 with lower-triangular inv_k (kb, D, D).
 

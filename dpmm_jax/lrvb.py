@@ -40,6 +40,8 @@ import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 from jax.scipy.linalg import cho_factor, cho_solve
 
+from dpmm_jax import precision
+
 METHODS = ("dense", "cg")
 
 
@@ -150,6 +152,7 @@ def _jacobian(functional, unravel, x, args):
 
 
 @functools.partial(jax.jit, static_argnames=("objective", "functional"))
+@precision.float32_matmuls
 def _dense_core(objective, functional, params, args):
   f, unravel, x = _flat_objective(objective, params, args)
   value, grad = jax.value_and_grad(f)(x)
@@ -162,6 +165,7 @@ def _dense_core(objective, functional, params, args):
 
 
 @functools.partial(jax.jit, static_argnames=("objective", "functional", "max_iter"))
+@precision.float32_matmuls
 def _cg_core(objective, functional, params, args, tol, max_iter):
   f, unravel, x = _flat_objective(objective, params, args)
   value, grad = jax.value_and_grad(f)(x)
@@ -249,6 +253,7 @@ def polished_covariance(objective: Callable, params, functional: Optional[Callab
   return cov, info, params
 
 
+@precision.float32_matmuls
 def linear_response(var, hess):
   """Eq. 10 in mean parameters: ``(I - V H)^-1 V``.
 
@@ -264,6 +269,7 @@ def linear_response(var, hess):
   return 0.5 * (cov + cov.T)
 
 
+@precision.float32_matmuls
 def schur_covariance(var_a, var_z, hess_aa, hess_az, hess_zz):
   """Eq. 11: LRVB covariance of the globals ``a`` with the nuisance block ``z`` eliminated.
 
@@ -285,6 +291,7 @@ def schur_covariance(var_a, var_z, hess_aa, hess_az, hess_zz):
   return 0.5 * (cov + cov.T)
 
 
+@precision.float32_matmuls
 def delta_covariance(cov, jac_f, jac_g=None):
   """Delta rule ``J_f Sigma J_g^T`` for smooth functions f, g of the parameters.
 

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from dpmm_jax import linalg
+from dpmm_jax import precision
 from dpmm_jax import stats as stats_lib
 
 
@@ -26,6 +27,7 @@ class Transform(NamedTuple):
   projection: jax.Array
 
 
+@precision.float32_matmuls
 def fit(stats: stats_lib.SufficientStats, num_components: Optional[int] = None,
         rtol: Optional[float] = None) -> Transform:
   """Fits the transform from training statistics (not jittable: D' is data dependent).
@@ -60,6 +62,7 @@ def fit(stats: stats_lib.SufficientStats, num_components: Optional[int] = None,
   return Transform(stats_lib.global_mean(stats), whiten @ rotation)
 
 
+@precision.float32_matmuls
 def apply(transform: Transform, x):
   """(M, D) -> (M, D') transformed features."""
   return (jnp.asarray(x) - transform.loc) @ transform.projection

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dpmm_jax import precision
 from dpmm_jax import validation
 
 
@@ -110,6 +111,7 @@ def _class_windows(counts, block_size: int, max_items: int):
   return k, offsets[k] + j * block_size, length, branch, ends[-1]
 
 
+@precision.float32_matmuls
 def _add_class_products(stats: SufficientStats, x, order, counts, ref_old, mean,
                         block_size: int):
   """scatter[k] += a_k^T c_k, sq_dev[k] += diag(a_k^T c_k), pooled += sum_k a_k^T c_k,
@@ -156,6 +158,7 @@ def _add_class_products(stats: SufficientStats, x, order, counts, ref_old, mean,
                            (stats.scatter, stats.sq_dev, stats.pooled_scatter))
 
 
+@precision.float32_matmuls
 def _update(stats: SufficientStats, x, y, block_size: int, axis_name=None):
   """``update``; with ``axis_name`` (inside shard_map / pmap over the rows) the counts and
   means are summed over the axis, while sq_dev, scatter and pooled_scatter stay
@@ -252,6 +255,7 @@ _update_jit = jax.jit(_update, static_argnames=("block_size", "axis_name"), dona
 _finalize_jit = jax.jit(finalize, donate_argnums=(0,))
 
 
+@precision.float32_matmuls
 def from_responsibilities(x, resp, full: bool = True) -> SufficientStats:
   """Soft-assignment (weighted) sufficient statistics, centred and exact in float32.
 
@@ -293,6 +297,7 @@ def from_responsibilities(x, resp, full: bool = True) -> SufficientStats:
   return SufficientStats(count, mean + centre, sq_dev, scatter, pooled)
 
 
+@precision.float32_matmuls
 def merge(a: SufficientStats, b: SufficientStats) -> SufficientStats:
   """Exact statistics of the union of two disjoint data sets (Chan et al. 1979).
 
@@ -418,6 +423,7 @@ def total_count(stats: SufficientStats):
   return jnp.sum(stats.count)
 
 
+@precision.float32_matmuls
 def global_mean(stats: SufficientStats):
   """(D,) mean of all points."""
   return stats.count @ stats.mean / total_count(stats)
@@ -433,6 +439,7 @@ def pooled_variance(stats: SufficientStats):
   return jnp.sum(stats.sq_dev, axis=0) / total_count(stats)
 
 
+@precision.float32_matmuls
 def total_covariance(stats: SufficientStats):
   """(D, D) covariance of all points: within-class plus between-class scatter, over N."""
   centred_means = stats.mean - global_mean(stats)

@@ -34,6 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.scipy.linalg import solve_triangular
 
+from dpmm_jax import precision
+
 __all__ = [
     "SyntheticDataset",
     "sample_bartlett_factor",
@@ -194,11 +196,13 @@ def _bartlett_from_variates(chi_square: jax.Array, normals: jax.Array) -> jax.Ar
     return jnp.tril(normals, k=-1) + jnp.sqrt(chi_square)[..., None] * eye
 
 
+@precision.float32_matmuls
 def _wishart_from_bartlett(scale: jax.Array, bartlett: jax.Array) -> jax.Array:
     factor = jnp.linalg.cholesky(scale) @ bartlett  # C A
     return factor @ jnp.swapaxes(factor, -1, -2)
 
 
+@precision.float32_matmuls
 def _inverse_wishart_from_bartlett(scale: jax.Array, bartlett: jax.Array) -> jax.Array:
     eye = jnp.broadcast_to(jnp.eye(scale.shape[-1], dtype=scale.dtype), bartlett.shape)
     bartlett_inv = solve_triangular(bartlett, eye, lower=True)  # A^{-1}, lower.
@@ -206,6 +210,7 @@ def _inverse_wishart_from_bartlett(scale: jax.Array, bartlett: jax.Array) -> jax
     return factor @ jnp.swapaxes(factor, -1, -2)
 
 
+@precision.float32_matmuls
 def _niw_from_variates(chi_square, normals: _Normals, mu0, sigma0, nu0, kappa0):
     num_clusters, dim = chi_square.shape
     psi0 = (nu0 - dim - 1) * sigma0
@@ -428,6 +433,7 @@ class SyntheticDataset(NamedTuple):
     covariances: jax.Array
 
 
+@precision.float32_matmuls
 def _sample_points(means, covariances, z):
     """Draws from each ``N(means[k], covariances[k])`` given standard normals.
 

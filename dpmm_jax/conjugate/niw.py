@@ -14,6 +14,7 @@ from jax.scipy.linalg import cho_solve
 from jax.scipy.linalg import solve_triangular
 
 from dpmm_jax import linalg
+from dpmm_jax import precision
 from dpmm_jax import special
 from dpmm_jax import student_t
 
@@ -99,6 +100,7 @@ def log_marginal_likelihood(prior_: NIW, posterior_: NIW, count):
           - 0.5 * count * dim * special.LOG_2PI)
 
 
+@precision.float32_matmuls
 def expectations(niw: NIW, ref_loc) -> Expectations:
   """E[Sigma^-1], E[log|Sigma|], E[(mu - ref)^T Sigma^-1 (mu - ref)] (note the D/kappa)."""
   dim = niw.loc.shape[-1]

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax.scipy import special as jsp
 
+from dpmm_jax import precision
 from dpmm_jax import special
 from dpmm_jax import student_t
 from dpmm_jax.conjugate import gamma
@@ -111,6 +112,7 @@ def expectations(nix: NIX, ref_loc) -> Expectations:
 
 
 # ------------------------------------------------- variational (mean-field) building blocks
+@precision.float32_matmuls
 def expected_log_likelihood(nix: NIX, x):
   """(M, K) E_q[sum_d log N(x_md | mu_kd, sigma_kd^2)] under NIX factors (leading axis K).
 

@@ -21,6 +21,7 @@ from jax.scipy.linalg import cho_solve
 from jax.scipy.linalg import solve_triangular
 
 from dpmm_jax import linalg
+from dpmm_jax import precision
 from dpmm_jax import special
 from dpmm_jax.conjugate import wishart
 
@@ -55,6 +56,7 @@ def _solve_spd(a, b):
   return cho_solve((chol, True), b)
 
 
+@precision.float32_matmuls
 def update_loc(prior_: NormalWishart, q: NormalWishart, count, mean) -> NormalWishart:
   """Optimal q(mu) given q(R): Lambda = R0 + N E[R], m = mu0 + Lambda^-1 N E[R](xbar - mu0).
 
@@ -98,6 +100,7 @@ def posterior(prior_: NormalWishart, q: NormalWishart, count, mean, scatter) -> 
   return update_precision(prior_, q, count, mean, scatter)
 
 
+@precision.float32_matmuls
 def expected_log_likelihood(nw: NormalWishart, x):
   """(M, K) E_q[log N(x_m | mu_k, R_k^-1)] under factors q_k (leading axis K).
 
@@ -124,6 +127,7 @@ def expected_log_likelihood(nw: NormalWishart, x):
   return 0.5 * (-dim * special.LOG_2PI + e_log_det - nw.df * (dist + trace))
 
 
+@precision.float32_matmuls
 def normal_kl_divergence(loc_q, precision_q, loc_p, precision_p):
   """(...,) KL(N(m_q, Lambda_q^-1) || N(m_p, Lambda_p^-1))
   = 1/2 [tr(Lambda_p Lambda_q^-1) + (m_q - m_p)^T Lambda_p (m_q - m_p) - D

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from dpmm_jax import blocks
+from dpmm_jax import precision
 from dpmm_jax import validation as checks
 from dpmm_jax import em
 from dpmm_jax import newton
@@ -536,6 +537,7 @@ class MixtureTerms(NamedTuple):
   level: jax.Array
 
 
+@precision.float32_matmuls
 def mixture_terms(df, loc, scale_sq, log_weights, tol=SERIES_TOL) -> MixtureTerms:
   """MixtureTerms of (K, D) df, loc, (K, P, D) node scales and (K, P) log weights."""
   log_w = jax.nn.log_softmax(log_weights, -1)
@@ -572,6 +574,7 @@ def mixture_terms(df, loc, scale_sq, log_weights, tol=SERIES_TOL) -> MixtureTerm
                       node_const, level.astype(jnp.int32))
 
 
+@precision.float32_matmuls
 def _series_block(order, x, t: MixtureTerms):
   """(M, kb) log densities by the order-``order`` expansion (see MixtureTerms).
 

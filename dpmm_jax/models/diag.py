@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from dpmm_jax import blocks
+from dpmm_jax import precision
 from dpmm_jax import validation as checks
 from dpmm_jax import em
 from dpmm_jax import newton
@@ -53,6 +54,7 @@ def _posterior(hyper: Hyper, stats):
   return nix.posterior(_prior(hyper), stats.count, stats.mean, stats.sq_dev)
 
 
+@precision.float32_matmuls
 def update_concentrations(hyper, posterior_weights, post, prior_scale_sq, num_classes, *,
                           df_cap=1e6, newton_tol=1e-6, newton_max_iter=100):
   """M-step shared with the coupled model.

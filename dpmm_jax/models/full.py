@@ -12,6 +12,7 @@ from jax.scipy.linalg import cho_solve, eigh_tridiagonal, solve_triangular
 
 from dpmm_jax import blocks
 from dpmm_jax import linalg
+from dpmm_jax import precision
 from dpmm_jax import special
 from dpmm_jax import validation as checks
 from dpmm_jax import em
@@ -154,6 +155,7 @@ class SpectralSummary(NamedTuple):
 _TRIDIAGONAL_EIGVALS_MIN_DIM = 256
 
 
+@precision.float32_matmuls
 def spectral_summary(stats, loc, mean_cov) -> SpectralSummary:
   """Reduces full statistics for the EM iterations (one O(K D^3) pass, in class blocks).
 

@@ -46,6 +46,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from dpmm_jax import precision
+
 __all__ = [
     "LinearHeadParams",
     "LinearFitInfo",
@@ -173,12 +175,14 @@ def _validate_fit_inputs(x, y, num_classes, num_steps, batch_size,
 # training
 # ----------------------------------------------------------------------------
 
+@precision.float32_matmuls
 def _mean_ce(params: LinearHeadParams, x: jax.Array, y: jax.Array) -> jax.Array:
     z = x @ params.weights + params.bias
     return optax.softmax_cross_entropy_with_integer_labels(z, y).mean()
 
 
 @functools.partial(jax.jit, static_argnames=("num_classes", "num_steps", "batch_size"))
+@precision.float32_matmuls
 def _fit_impl(x, y, key, learning_rate, weight_decay, *, num_classes, num_steps,
               batch_size):
     n, d = x.shape
@@ -279,6 +283,7 @@ def _check_features(params: LinearHeadParams, x) -> jax.Array:
     return x
 
 
+@precision.float32_matmuls
 def logits(params: LinearHeadParams, x) -> jax.Array:
     """Returns the ``(M, K)`` logits ``x @ weights + bias`` for ``x`` of shape ``(M, D)``."""
     x = _check_features(params, x)

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 
 from dpmm_jax import blocks
 from dpmm_jax import linalg
+from dpmm_jax import precision
 from dpmm_jax import student_t
 from dpmm_jax import validation as checks
 from dpmm_jax.conjugate import niw
@@ -82,6 +83,7 @@ def noise_edge(count, dim: int):
   return (jnp.sqrt(jnp.maximum(count - 1.0, 0.0)) + jnp.sqrt(jnp.asarray(dim, count.dtype))) ** 2
 
 
+@precision.float32_matmuls
 def params_from_hyper(hyper: full.Hyper, stats, max_rank: int = DEFAULT_MAX_RANK,
                       edge_scale=1.0) -> Params:
   """Class predictives with the directions of B_k above ``edge_scale`` x the noise edge.
@@ -164,6 +166,7 @@ def scoring_flops(num_points: int, num_classes: int, dim: int, max_rank: int) ->
   return 2.0 * num_points * dim * (dim + num_classes * (1 + max_rank))
 
 
+@precision.float32_matmuls
 def log_predictive(params: Params, x):
   """(class (M, K) log p(x | D_k), prior (M,) log p(x)).
 

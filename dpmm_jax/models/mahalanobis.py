@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from dpmm_jax import blocks
 from dpmm_jax import linalg
+from dpmm_jax import precision
 from dpmm_jax import stats as stats_lib
 
 
@@ -59,6 +60,7 @@ def fit(stats: stats_lib.SufficientStats, independent: bool = False, pseudo_coun
                 linalg.whitener(stats_lib.total_covariance(stats), rtol), class_white)
 
 
+@precision.float32_matmuls
 def class_distances(params: Params, x):
   """(M, K) squared Mahalanobis distances MD_k(x)."""
   if params.class_white is None:

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from dpmm_jax import linalg
+from dpmm_jax import precision
 from dpmm_jax import special
 from dpmm_jax import stats as stats_lib
 
@@ -60,6 +61,7 @@ class Params(NamedTuple):
 PRIOR_SCALES = ("empirical_bayes", "total")
 
 
+@precision.float32_matmuls
 def whitened_prior_scale(stats: stats_lib.SufficientStats, white,
                          prior_scale: str = "empirical_bayes"):
   """(D, D) Sigma0' = W^T Sigma0 W in the basis where the pooled covariance is I.
@@ -84,6 +86,7 @@ def whitened_prior_scale(stats: stats_lib.SufficientStats, white,
   return (vectors * values[None, :]) @ vectors.T
 
 
+@precision.float32_matmuls
 def fit(stats: stats_lib.SufficientStats, rtol=None,
         prior_scale: str = "empirical_bayes") -> Params:
   """Closed-form fit from statistics (diagonal-only statistics suffice).
@@ -113,6 +116,7 @@ def fit(stats: stats_lib.SufficientStats, rtol=None,
                 jnp.log(stats.count))
 
 
+@precision.float32_matmuls
 def _diag_gaussian_log_density(z, mean, var):
   """(M, K) log N(z | mean_k, diag var_k), expanded into matrix products."""
   inv = 1.0 / var
@@ -120,6 +124,7 @@ def _diag_gaussian_log_density(z, mean, var):
   return -0.5 * (quad + jnp.sum(jnp.log(var), -1) + z.shape[-1] * special.LOG_2PI)
 
 
+@precision.float32_matmuls
 def log_predictive(params: Params, x):
   """(class (M, K) log p(x | D_k), prior (M,) log p(x))."""
   z = (x - params.loc) @ params.basis
