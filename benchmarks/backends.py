@@ -77,14 +77,34 @@ def _evaluate(device, det, x):
   return scores, classes
 
 
-def _param_rel_diff(a, b):
-  """Largest ||a - b|| / ||b|| over the floating leaves of two parameter pytrees."""
-  worst = 0.0
-  for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
-    u, v = np.asarray(u, np.float64), np.asarray(v, np.float64)
+def _hyper_rel_diffs(a, b):
+  """{field: max |a - b| / max(|b|, tiny)} over the EM hyperparameters of two fits (the
+  parameters' ``hyper`` field; empty for models without EM)."""
+  ha, hb = getattr(a, "hyper", None), getattr(b, "hyper", None)
+  if ha is None or not hasattr(ha, "_fields"):
+    return {}
+  out = {}
+  for name in ha._fields:
+    u = np.asarray(getattr(ha, name), np.float64)
+    v = np.asarray(getattr(hb, name), np.float64)
     if u.dtype.kind == "f" and u.size:
-      worst = max(worst, float(np.linalg.norm(u - v) / max(np.linalg.norm(v), 1e-300)))
-  return worst
+      out[name] = float(np.max(np.abs(u - v) / np.maximum(np.abs(v), 1e-30)))
+  return out
+
+
+def _hyper_summary(params):
+  """{field: value, or (min, median, max) of an array} of the fitted hyperparameters."""
+  hyper = getattr(params, "hyper", None)
+  if hyper is None or not hasattr(hyper, "_fields"):
+    return {}
+  out = {}
+  for name in hyper._fields:
+    v = np.asarray(getattr(hyper, name), np.float64)
+    if v.dtype.kind == "f" and v.size == 1:
+      out[name] = float(v)
+    elif v.dtype.kind == "f" and v.ndim == 1:
+      out[name] = [float(np.min(v)), float(np.median(v)), float(np.max(v))]
+  return out
 
 
 def compare_model(model, x, y, x_test, num_in, cpu, acc, log):
@@ -107,7 +127,11 @@ def compare_model(model, x, y, x_test, num_in, cpu, acc, log):
   row["sep_max_abs"] = float(np.max(np.abs(s_sep - s_cpu)))
   row["sep_rel"] = row["sep_max_abs"] / scale
   row["sep_class_agree"] = float(np.mean(c_sep == c_cpu))
-  row["sep_param_rel"] = _param_rel_diff(det_acc.params, det_cpu.params)
+  diffs = _hyper_rel_diffs(det_acc.params, det_cpu.params)
+  row["sep_param_rel"] = max(diffs.values()) if diffs else 0.0
+  row["hyper_rel_diffs"] = diffs
+  row["hyper_cpu"] = _hyper_summary(det_cpu.params)
+  row["hyper_acc"] = _hyper_summary(det_acc.params)
   row["auroc_acc"] = metrics.auroc(s_sep[:num_in], s_sep[num_in:])
 
   saved = precision.MATMUL_PRECISION
@@ -129,10 +153,13 @@ def compare_model(model, x, y, x_test, num_in, cpu, acc, log):
   log(f"  {model}: same detector {row['same_rel']:.2e} of scale {scale:.3g} "
       f"(bound {SAME_DETECTOR_RTOL:g}), classes {row['same_class_agree']:.4f}; fitted on "
       f"each {row['sep_rel']:.2e} (bound {SEPARATE_FIT_RTOL:g}), params "
-      f"{row['sep_param_rel']:.1e}, classes {row['sep_class_agree']:.4f}, AUROC "
+      f"hyperparameters {row['sep_param_rel']:.1e}, classes {row['sep_class_agree']:.4f}, AUROC "
       f"{row['auroc_cpu']:.4f}/{row['auroc_acc']:.4f}; default precision "
       f"{row['default_rel']:.2e}, classes {row['default_class_agree']:.4f} -> "
       f"{'ok' if row['ok'] else 'OUT OF TOLERANCE'}")
+  if diffs:
+    log(f"    hyperparameters cpu {row['hyper_cpu']}\n    accelerator {row['hyper_acc']}\n"
+        f"    relative differences {diffs}")
   return row
 
 
@@ -148,7 +175,7 @@ def markdown(info, rates, problem, rows):
   lines += [f"Problem: K = {k}, D = {d}, N_k = {n_k}, M = {m} test points (half unseen "
             "classes). Differences as max |s_acc - s_cpu| / max |s_cpu|; classes = share "
             "of points with the same predicted class.", "",
-            "| model | scale | same detector | classes | fitted on each | params (rel.) "
+            "| model | scale | same detector | classes | fitted on each | hyperparameters (rel.) "
             "| classes | AUROC cpu / acc | default precision | classes | AUROC | within "
             "tolerance |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:

@@ -5,11 +5,23 @@ optionally keeping only the top ``num_components``); rotate into the eigenbasis 
 average within-class covariance, eigenvalues ascending. Afterwards the data have zero
 mean, identity covariance and a diagonal average within-class covariance, which suits
 the diagonal models. RMDS is invariant to the transform.
+
+The rotation is made unique. Where the average within-class covariance has a repeated
+eigenvalue, its eigenbasis is any orthonormal basis of that eigenspace, and an
+eigensolver returns whichever its round-off leads to. That always happens when there
+are fewer classes than dimensions (K - 1 < D': in total-whitened coordinates the
+within-class covariance is I minus a between-class part of rank K - 1, so D' - K + 1
+eigenvalues equal 1). The axis-aligned models (diag, coupled) are not invariant to such a
+rotation: before this rule, permuting the training rows changed diag scores by 4.5 % of
+their scale and 1.9 % of the predicted classes (K = 100, D = 128), and so did moving the
+fit from the CPU to a GPU. ``canonical_basis`` picks one basis per eigenspace by a fixed
+rule, so the transform depends on the data alone, up to round-off.
 """
 from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dpmm_jax import linalg
 from dpmm_jax import precision
@@ -58,8 +70,44 @@ def fit(stats: stats_lib.SufficientStats, num_components: Optional[int] = None,
                      "non-zero variance.")
   whiten = vectors[:, :keep] / jnp.sqrt(values[:keep])[None, :]   # (D, D')
   within = whiten.T @ stats_lib.pooled_covariance(stats) @ whiten
-  _, rotation = jnp.linalg.eigh(linalg.symmetrize(within))        # ascending
-  return Transform(stats_lib.global_mean(stats), whiten @ rotation)
+  within_values, rotation = jnp.linalg.eigh(linalg.symmetrize(within))   # ascending
+  projection = canonical_basis(np.asarray(within_values), np.asarray(whiten @ rotation))
+  return Transform(stats_lib.global_mean(stats), jnp.asarray(projection, cov.dtype))
+
+
+# Eigenvalues closer than this (times eps and the largest |eigenvalue|) share a basis.
+EIGENSPACE_ULPS = 1000.0
+
+
+def canonical_basis(values: np.ndarray, vectors: np.ndarray, ulps: float = EIGENSPACE_ULPS):
+  """One fixed basis per (near-)repeated eigenvalue, and fixed signs (host side).
+
+  Args:
+    values: (D',) eigenvalues, ascending.
+    vectors: (D, D') the corresponding columns (here: input-space projection columns;
+      any basis of a repeated eigenvalue's columns, ``vectors[:, c] @ R`` for orthogonal
+      R, gives the same result).
+    ulps: eigenvalues whose consecutive gaps are at most ``ulps * eps * max |values|``
+      form one eigenspace.
+  Returns:
+    (D, D') columns in the same eigenspaces. Within an eigenspace with columns V_c the
+    basis is the eigenvectors of ``V_c^T diag(1, 2, ..., D) V_c`` (a generic, fixed
+    matrix: covariant under V_c -> V_c R, so the result does not depend on R); each
+    column's sign makes its largest-magnitude entry positive.
+  """
+  dtype = vectors.dtype
+  values = np.asarray(values, np.float64)
+  vectors = np.array(vectors, np.float64)
+  gap = ulps * np.finfo(dtype).eps * max(float(np.max(np.abs(values))), np.finfo(dtype).tiny)
+  starts = np.flatnonzero(np.concatenate([[True], np.diff(values) > gap, [True]]))
+  weights = np.arange(1.0, vectors.shape[0] + 1.0)
+  for lo, hi in zip(starts[:-1], starts[1:]):
+    if hi - lo > 1:
+      block = vectors[:, lo:hi]
+      _, turn = np.linalg.eigh(block.T @ (weights[:, None] * block))
+      vectors[:, lo:hi] = block @ turn
+  largest = vectors[np.argmax(np.abs(vectors), axis=0), np.arange(vectors.shape[1])]
+  return (vectors * np.where(largest < 0, -1.0, 1.0)).astype(dtype)
 
 
 @precision.float32_matmuls
