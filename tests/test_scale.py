@@ -351,3 +351,23 @@ def test_benchmark_script_runs_a_tiny_grid(tmp_path):
   assert re.search(r"\| 40 \| 3 \| 6 \| 500 \| nothing \| [0-9.]+ \| full \|", text), text
   assert "| full | 4 | 3 | 6 |" in text                            # cold start
   assert not os.listdir(tmp_path / "data")          # the feature files are removed
+
+
+def test_backend_comparison_script_runs_on_the_cpu(tmp_path):
+  # Without an accelerator benchmarks/backends.py compares the CPU with itself: this
+  # exercises the accelerator code path (device placement, the default-precision rerun).
+  import importlib.util
+  import os
+  here = os.path.dirname(__file__)
+  spec = importlib.util.spec_from_file_location(
+      "bench_backends", os.path.join(here, "..", "benchmarks", "backends.py"))
+  backends = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(backends)
+  out = tmp_path / "backends.md"
+  status = backends.main(["--classes", "3", "--dim", "4", "--per-class", "10", "--test", "20",
+                          "--models", "rmds", "--matmul-side", "128", "--markdown", str(out)])
+  assert status == 0
+  text = out.read_text()
+  assert "| cpu | 128 |" in text
+  # The CPU against itself: no difference at all, and within tolerance.
+  assert "| rmds |" in text and "| 0.0e+00 | 1.0000 | 0.0e+00 |" in text and "| yes |" in text
