@@ -12,21 +12,31 @@ when
 * the directory cannot be created or written.
 
 The directory is ``$DPMM_JAX_COMPILATION_CACHE`` when that names a path, else
-``$XDG_CACHE_HOME/dpmm_jax/jax_cache`` (``~/.cache/dpmm_jax/jax_cache``). Programs that
+``$XDG_CACHE_HOME/dpmm_jax/jax_cache/<host>`` (``~/.cache/dpmm_jax/jax_cache/<host>``),
+where ``<host>`` names this machine's CPU (architecture and a hash of its model and
+feature flags, ``host_key()``). A CPU program is machine code for the CPU that compiled
+it, and jax's cache key does not include the CPU: a home directory shared by machines of
+different CPUs would otherwise hand one machine's programs to another (XLA warns "This
+could lead to execution errors such as SIGILL"). Programs that
 compile in at least ``MIN_COMPILE_SECS`` are stored (jax's default is 1 s, which would
 leave out most scorers). ``disable()`` switches it off before the first compilation;
 delete the directory to clear it (jax does not bound its size).
 
 jaxlib logs a C++ warning ("Assume version compatibility. PjRt-IFRT does not track XLA
-executable versions.") each time it loads a program from the cache: four lines on stderr
-in every process after the first. ``quiet_cache_loads()`` raises jaxlib's C++ log
-threshold to ERROR while a public-API call runs (and restores it after), but only when
+executable versions.") each time it loads a program from the cache, and on some CPUs
+(AMD Zen 4 with jaxlib 0.9) two errors per program ("Loading XLA:CPU AOT result. Target
+machine feature +prefer-no-gather is not supported on the host machine"): the compiler
+records tuning features that the loader's host detection does not list, on the very
+machine that compiled the program. ``quiet_cache_loads()`` raises jaxlib's C++ log
+threshold to FATAL while a public-API call runs (and restores it after), but only when
 this module enabled the cache and the C++ threshold is jax's default (``TF_CPP_MIN_LOG_LEVEL``
 unset or 1, ``jax_logging_level`` unset): a user's own setting is respected, and C++
 warnings outside the library's calls are untouched.
 """
 import contextlib
+import hashlib
 import os
+import platform
 import threading
 from typing import Optional
 
@@ -41,16 +51,31 @@ ENV_VAR = "DPMM_JAX_COMPILATION_CACHE"
 MIN_COMPILE_SECS = 0.2
 _OFF = ("0", "off", "false", "no")
 _enabled_dir = [None]
-# jaxlib's C++ log thresholds: ERROR, and WARNING, the default that ``import jax`` sets
+# jaxlib's C++ log thresholds: FATAL, and WARNING, the default that ``import jax`` sets
 # (TF_CPP_MIN_LOG_LEVEL=1 unless the user set it).
-_ABSL_ERROR, _ABSL_WARNING = 2, 1
+_ABSL_FATAL, _ABSL_WARNING = 3, 1
 _quiet_lock = threading.Lock()
 _quiet_depth = [0]
 
 
+def host_key() -> str:
+  """``<architecture>-<12 hex digits>``: a hash of the CPU's model names and feature
+  flags (``/proc/cpuinfo``; ``platform.processor()`` where that is missing)."""
+  arch = platform.machine() or "unknown"
+  try:
+    with open("/proc/cpuinfo") as f:
+      lines = sorted({line.strip() for line in f
+                      if line.startswith(("model name", "flags", "Features", "CPU part",
+                                          "CPU implementer", "cpu model"))})
+  except OSError:
+    lines = [platform.processor()]
+  digest = hashlib.sha256("\n".join([arch] + lines).encode()).hexdigest()[:12]
+  return f"{arch}-{digest}"
+
+
 def default_dir() -> str:
   base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-  return os.path.join(base, "dpmm_jax", "jax_cache")
+  return os.path.join(base, "dpmm_jax", "jax_cache", host_key())
 
 
 def enable_default() -> Optional[str]:
@@ -109,7 +134,7 @@ def quiet_cache_loads():
     return
   with _quiet_lock:
     if _quiet_depth[0] == 0:
-      _jaxlib_utils.absl_set_min_log_level(_ABSL_ERROR)
+      _jaxlib_utils.absl_set_min_log_level(_ABSL_FATAL)
     _quiet_depth[0] += 1
   try:
     yield
