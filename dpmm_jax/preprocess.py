@@ -79,6 +79,7 @@ def fit(stats: stats_lib.SufficientStats, num_components: Optional[int] = None,
 EIGENSPACE_ULPS = 1000.0
 
 
+@precision.float32_matmuls   # numpy products here (host side); kept for the package rule
 def canonical_basis(values: np.ndarray, vectors: np.ndarray, ulps: float = EIGENSPACE_ULPS):
   """One fixed basis per (near-)repeated eigenvalue, and fixed signs (host side).
 
