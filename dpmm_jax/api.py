@@ -229,12 +229,16 @@ def _chunk_rows(n: int, chunk_size: int, smallest: int = 32) -> int:
 
 
 def _transformed_chunks(x, y, transform, chunk_size):
+  """(transformed (n, D') chunk, labels) of the training rows, one chunk in memory; the
+  pages of a read-only memory map are released once the consumer asks for the next chunk
+  (without that, each pass over a 3.7 GB file left it all resident)."""
   for start in range(0, x.shape[0], chunk_size):
-    xc = validation.check_finite_chunk(x[start:start + chunk_size], "x", start)
-    xc = jnp.asarray(xc)
+    view = x[start:start + chunk_size]
+    xc = jnp.asarray(validation.check_finite_chunk(view, "x", start))
     if transform is not None:
       xc = preprocess_lib.apply(transform, xc)
     yield xc, y[start:start + chunk_size]
+    stats_lib.release_pages(view)
 
 
 def _fit_model(model, stats, x_fn, y, key, options):

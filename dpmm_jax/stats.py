@@ -323,7 +323,7 @@ def merge(a: SufficientStats, b: SufficientStats) -> SufficientStats:
 _merge_jit = jax.jit(merge)
 
 
-def _release_pages(view) -> None:
+def release_pages(view) -> None:
   """Drops the pages of a read-only ``np.memmap`` slice from this process's resident set.
 
   Reading a memory-mapped file maps its pages into the process: without this, streaming a
@@ -355,8 +355,8 @@ def iterate_chunks(x, y, chunk_size: int) -> Iterable[Tuple[np.ndarray, np.ndarr
   for start in range(0, x.shape[0], chunk_size):
     xs, ys = x[start:start + chunk_size], y[start:start + chunk_size]
     yield np.asarray(xs), np.asarray(ys)
-    _release_pages(xs)
-    _release_pages(ys)
+    release_pages(xs)
+    release_pages(ys)
 
 
 def _pad_chunk(xs, ys, rows: int):

@@ -11,6 +11,7 @@ import dpmm_jax
 from dpmm_jax import metrics
 from dpmm_jax import preprocess
 from dpmm_jax import scores as scores_lib
+from dpmm_jax import stats as stats_lib
 from dpmm_jax.models import diag, full
 
 K, D, NK = 4, 5, 30
@@ -146,6 +147,27 @@ def test_memmap_training_features_equal_in_memory(tmp_path):
     np.testing.assert_allclose(dpmm_jax.score(det, x_test), dpmm_jax.score(ref, x_test),
                                rtol=1e-4, atol=1e-3)
     np.testing.assert_array_equal(dpmm_jax.predict(det, x_test), dpmm_jax.predict(ref, x_test))
+
+
+def test_fitting_from_a_memory_map_releases_its_pages(tmp_path, monkeypatch):
+  # Both passes over a read-only memory map (transform, then transformed statistics)
+  # hand every chunk's pages back; the detector equals the in-memory one.
+  x, y, x_test, *_ = _data()
+  np.save(tmp_path / "x.npy", x)
+  xr = np.load(tmp_path / "x.npy", mmap_mode="r")
+  released = []
+  real = stats_lib.release_pages
+
+  def spy(view):
+    released.append((view.ctypes.data - xr.ctypes.data) // xr.strides[0])
+    real(view)
+
+  monkeypatch.setattr(stats_lib, "release_pages", spy)
+  det = dpmm_jax.fit_detector(xr, y, "tied", chunk_size=50)      # 120 = 2*50 + 20
+  assert sorted(released) == [0, 0, 50, 50, 100, 100]
+  np.testing.assert_array_equal(np.asarray(xr), x)               # re-read after release
+  np.testing.assert_allclose(dpmm_jax.score(det, x_test),
+                             dpmm_jax.score(_detector("tied"), x_test), rtol=1e-4, atol=1e-3)
 
 
 def test_preprocess_false_and_num_components():
@@ -290,7 +312,6 @@ def test_fit_detectors_equal_one_model_fits(models):
 def test_fit_detectors_reads_the_data_twice(monkeypatch):
   """Statistics passes: 2 (transform, then transformed statistics) for five models
   sharing them, where five fit_detector calls make 10."""
-  from dpmm_jax import stats as stats_lib  # pylint: disable=g-import-not-at-top
   x, y, *_ = _data()
   calls = []
   original = stats_lib.from_chunks
