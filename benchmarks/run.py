@@ -138,16 +138,23 @@ def machine():
   return info
 
 
-def matmul_peak(n=None, reps=5):
-  """Best float32 GFLOP/s of an (n, n) x (n, n) jitted matmul at Precision.HIGHEST, the
-  precision of every library product (dpmm_jax.precision); n = 2048 on CPU, 8192 on an
-  accelerator (a 2048 GEMM takes ~0.3 ms there, too short to time)."""
-  n = n or (2048 if jax.default_backend() == "cpu" else 8192)
-  a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
-  f = jax.jit(lambda a: jnp.matmul(a, a, precision=jax.lax.Precision.HIGHEST))
+def matmul_rate(n=None, precision=jax.lax.Precision.HIGHEST, device=None, reps=5):
+  """Best float32 GFLOP/s of an (n, n) x (n, n) jitted matmul on ``device`` (default: the
+  default device) at ``precision``; n defaults to 2048 on CPU, 8192 on an accelerator (a
+  2048 GEMM takes ~0.3 ms there, too short to time)."""
+  device = device or jax.devices()[0]
+  n = n or (2048 if device.platform == "cpu" else 8192)
+  a = jax.device_put(jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32), device)
+  f = jax.jit(lambda a: jnp.matmul(a, a, precision=precision))
   jax.block_until_ready(f(a))
   best = min(timed(f, a)[1] for _ in range(reps))
   return 2.0 * n ** 3 / best / 1e9
+
+
+def matmul_peak():
+  """The float32 matmul rate at Precision.HIGHEST, the precision of every library product
+  (dpmm_jax.precision), on the default device."""
+  return matmul_rate()
 
 
 def gram_throughput(rows, dim, reps=3):
