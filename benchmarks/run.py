@@ -588,6 +588,8 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--quick", action="store_true", help="small grid only")
   parser.add_argument("--imagenet-only", action="store_true", help="only the big row")
+  parser.add_argument("--cold-only", action="store_true",
+                      help="only the cold-start rows (no grid, no ImageNet-sized row)")
   parser.add_argument("--workdir", default=None, help="where the .npy files go")
   parser.add_argument("--chunk-rows", type=int, default=262144,
                       help="training rows per statistics chunk")
@@ -616,7 +618,9 @@ def main(argv=None):
   log("machine: " + ", ".join(f"{k}={v}" for k, v in info.items()))
   peak = matmul_peak()
   log(f"float32 matmul peak (Precision.HIGHEST): {peak:.1f} GFLOP/s (load {load_average()})")
-  if args.grid:
+  if args.cold_only:
+    grid = []
+  elif args.grid:
     grid = [tuple(int(v) for v in row.split(",")) for row in args.grid.split(";")]
   else:
     grid = [] if args.imagenet_only else list(QUICK_GRID)

@@ -449,7 +449,7 @@ def _fit_prepared(prep: _Prepared, model: str, key, standard_errors: bool, optio
   if model in DPMM_MODELS:
     # The class weights N_k of the DP mixture count every training point, duplicates too.
     params = params._replace(
-        log_counts=jnp.log(jnp.asarray(prep.counts, params.log_counts.dtype)))
+        log_counts=jnp.asarray(np.log(np.asarray(prep.counts, params.log_counts.dtype))))
   det = Detector(model, prep.num_classes, prep.transform, params)
   _check_finite_params(det)
   hyper_se = None
@@ -667,9 +667,12 @@ def _evaluate(det: Detector, x, chunk_size: int):
     if m < chunk_size:  # pad to one shape: one compilation for all chunks
       xc = np.concatenate([xc, np.repeat(xc[-1:], chunk_size - m, axis=0)])
     cs, s = _evaluate_chunk(det, jnp.asarray(xc, dtype))
-    class_parts.append(cs[:m])
-    score_parts.append(s[:m])
-  class_scores_, scores = jnp.concatenate(class_parts), jnp.concatenate(score_parts)
+    # Cut and joined on the host: on the device each cut length and each number of
+    # chunks would compile a program of its own.
+    class_parts.append(np.asarray(cs)[:m])
+    score_parts.append(np.asarray(s)[:m])
+  class_scores_ = np.concatenate(class_parts) if len(class_parts) > 1 else class_parts[0]
+  scores = np.concatenate(score_parts) if len(score_parts) > 1 else score_parts[0]
   bad = np.flatnonzero(~np.isfinite(np.asarray(scores))
                        | ~np.all(np.isfinite(np.asarray(class_scores_)), axis=-1))
   if bad.size:
@@ -679,7 +682,7 @@ def _evaluate(det: Detector, x, chunk_size: int):
         f"{np.max(np.abs(np.asarray(x[bad[:100]]))):.3g}): they are so far from the "
         "training data that their squared distances overflow. Rescale the features or "
         "enable jax_enable_x64.")
-  return class_scores_, scores
+  return jnp.asarray(class_scores_), jnp.asarray(scores)
 
 
 @_public_call

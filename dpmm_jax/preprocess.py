@@ -17,6 +17,7 @@ their scale and 1.9 % of the predicted classes (K = 100, D = 128), and so did mo
 fit from the CPU to a GPU. ``canonical_basis`` picks one basis per eigenspace by a fixed
 rule, so the transform depends on the data alone, up to round-off.
 """
+import functools
 from typing import NamedTuple, Optional
 
 import jax
@@ -39,7 +40,35 @@ class Transform(NamedTuple):
   projection: jax.Array
 
 
+@jax.jit
 @precision.float32_matmuls
+def _total_spectrum(stats: stats_lib.SufficientStats, rtol):
+  """(values (D,) and vectors (D, D) of the total covariance, descending; the variance
+  floor (); the global mean (D,)). One compiled program (eagerly, every op compiles)."""
+  cov = stats_lib.total_covariance(stats)
+  values, vectors = jnp.linalg.eigh(linalg.symmetrize(cov))
+  values, vectors = values[::-1], vectors[:, ::-1]                # descending
+  # A direction is noise if its variance is below rtol * the largest, or below the
+  # rounding noise of the feature values themselves (a constant feature c computes a
+  # variance of order (eps c)^2, not 0, in floating point).
+  eps = jnp.finfo(cov.dtype).eps
+  mean = stats_lib.global_mean(stats)
+  rounding = (8.0 * eps * jnp.max(jnp.abs(mean))) ** 2
+  floor = jnp.maximum(rtol * values[0], jnp.maximum(rounding, jnp.finfo(cov.dtype).tiny))
+  return values, vectors, floor, mean
+
+
+@functools.partial(jax.jit, static_argnums=(3,))
+@precision.float32_matmuls
+def _within_spectrum(stats: stats_lib.SufficientStats, values, vectors, keep: int):
+  """(eigenvalues (D',) ascending, input-space columns (D, D')) of the average
+  within-class covariance after whitening with the top ``keep`` directions."""
+  whiten = vectors[:, :keep] / jnp.sqrt(values[:keep])[None, :]   # (D, D')
+  within = whiten.T @ stats_lib.pooled_covariance(stats) @ whiten
+  within_values, rotation = jnp.linalg.eigh(linalg.symmetrize(within))   # ascending
+  return within_values, whiten @ rotation
+
+
 def fit(stats: stats_lib.SufficientStats, num_components: Optional[int] = None,
         rtol: Optional[float] = None) -> Transform:
   """Fits the transform from training statistics (not jittable: D' is data dependent).
@@ -52,27 +81,18 @@ def fit(stats: stats_lib.SufficientStats, num_components: Optional[int] = None,
   Returns:
     Transform with D' = min(num_components, number of non-degenerate directions).
   """
-  cov = stats_lib.total_covariance(stats)
-  rtol = linalg.default_rtol(cov.dtype) if rtol is None else rtol
-  values, vectors = jnp.linalg.eigh(linalg.symmetrize(cov))
-  values, vectors = values[::-1], vectors[:, ::-1]                # descending
-  # A direction is noise if its variance is below rtol * the largest, or below the
-  # rounding noise of the feature values themselves (a constant feature c computes a
-  # variance of order (eps c)^2, not 0, in floating point).
-  eps = jnp.finfo(cov.dtype).eps
-  rounding = (8.0 * eps * jnp.max(jnp.abs(stats_lib.global_mean(stats)))) ** 2
-  floor = jnp.maximum(rtol * values[0], jnp.maximum(rounding, jnp.finfo(cov.dtype).tiny))
-  keep = int(jnp.sum(values > floor))
+  dtype = stats.pooled_scatter.dtype
+  rtol = linalg.default_rtol(dtype) if rtol is None else rtol
+  values, vectors, floor, mean = _total_spectrum(stats, jnp.asarray(rtol, dtype))
+  keep = int(np.sum(np.asarray(values) > np.asarray(floor)))
   if num_components is not None:
     keep = min(keep, int(num_components))
   if keep < 1:
     raise ValueError("preprocess.fit: the training features have no direction with "
                      "non-zero variance.")
-  whiten = vectors[:, :keep] / jnp.sqrt(values[:keep])[None, :]   # (D, D')
-  within = whiten.T @ stats_lib.pooled_covariance(stats) @ whiten
-  within_values, rotation = jnp.linalg.eigh(linalg.symmetrize(within))   # ascending
-  projection = canonical_basis(np.asarray(within_values), np.asarray(whiten @ rotation))
-  return Transform(stats_lib.global_mean(stats), jnp.asarray(projection, cov.dtype))
+  within_values, columns = _within_spectrum(stats, values, vectors, keep)
+  projection = canonical_basis(np.asarray(within_values), np.asarray(columns))
+  return Transform(mean, jnp.asarray(projection, dtype))
 
 
 # Eigenvalues closer than this (times eps and the largest |eigenvalue|) share a basis.
@@ -111,6 +131,7 @@ def canonical_basis(values: np.ndarray, vectors: np.ndarray, ulps: float = EIGEN
   return (vectors * np.where(largest < 0, -1.0, 1.0)).astype(dtype)
 
 
+@jax.jit
 @precision.float32_matmuls
 def apply(transform: Transform, x):
   """(M, D) -> (M, D') transformed features."""

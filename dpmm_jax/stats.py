@@ -253,6 +253,8 @@ def from_labels(x, y, num_classes: int, full: bool = True,
 _from_labels_jit = from_labels
 _update_jit = jax.jit(_update, static_argnames=("block_size", "axis_name"), donate_argnums=(0,))
 _finalize_jit = jax.jit(finalize, donate_argnums=(0,))
+# One compiled program instead of one per zeros array (eager jnp.zeros compiles each).
+_empty_jit = jax.jit(empty, static_argnums=(0, 1, 2, 3))
 
 
 @precision.float32_matmuls
@@ -399,7 +401,7 @@ def from_chunks(chunks: Iterable[Tuple[np.ndarray, np.ndarray]], num_classes: in
     if chunk_size is None:
       chunk_size = xc.shape[0]
     if total is None:
-      total = empty(num_classes, xc.shape[1], full, dtype)
+      total = _empty_jit(num_classes, xc.shape[1], full, np.dtype(dtype))
     for start in range(0, xc.shape[0], chunk_size):
       xs, ys = _pad_chunk(xc[start:start + chunk_size],
                           np.asarray(yc[start:start + chunk_size]), chunk_size)
@@ -454,6 +456,7 @@ def class_covariances(stats: SufficientStats):
   return stats.scatter / jnp.maximum(stats.count, 1.0)[:, None, None]
 
 
+@jax.jit
 def identical_classes(stats: SufficientStats):
   """(K,) bool: classes of two or more points that are all identical (to float round-off).
 
@@ -472,6 +475,7 @@ def identical_classes(stats: SufficientStats):
   return (stats.count > 1) & jnp.all(stats.sq_dev <= bound, axis=-1)
 
 
+@jax.jit
 def as_singletons(stats: SufficientStats, which) -> SufficientStats:
   """Statistics in which each class flagged by ``which`` (K,) is one point at its mean.
 

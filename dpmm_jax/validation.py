@@ -302,11 +302,18 @@ def stats_chunk(x, y, num_classes: int, offset: int = 0, dim=None, name: str = "
     raise ValueError(f"{bad.size} label(s) outside 0..{num_classes - 1} (first at rows "
                      f"{_listed(bad + offset)}).")
   if on_device:
-    if jnp.issubdtype(x.dtype, jnp.inexact) and not bool(jnp.all(jnp.isfinite(x))):
+    if jnp.issubdtype(x.dtype, jnp.inexact) and not bool(_all_finite(x)):
       _check_finite(np.asarray(x), name, offset)
     return x.astype(_float_dtype(x.dtype)), y.astype(np.int32)
   _check_finite(x, name, offset)
   return _convert(x, _float_dtype(x.dtype), name, offset), y.astype(np.int32)
+
+
+@jax.jit
+def _all_finite(x):
+  """() whether every entry of x is finite: one compiled program per shape (eagerly,
+  isfinite and all would compile one each)."""
+  return jnp.all(jnp.isfinite(x))
 
 
 def finite_stats(stats, what: str = "training features"):
