@@ -179,9 +179,9 @@ def _programs_compiled(fn):
 
 @pytest.mark.parametrize("model", ["diag", "full"])
 def test_fit_and_score_compile_a_few_programs_not_one_per_operation(model):
-  # Eager jnp operations compile one XLA program each (~0.05 s apiece, and too small for
-  # the persistent cache), which made a warm process's first fit_detector spend ~2.5 s
-  # compiling ~50 of them. The public path now runs whole steps as jitted programs:
+  # Eager jnp operations compile one XLA program each (0.005-0.16 s apiece, too small for
+  # the persistent cache), ~50 of them in every process: removing them took a second
+  # process's first diag fit_detector from 2.0 to 1.1 s (benchmarks/RESULTS.md). The public path now runs whole steps as jitted programs:
   # statistics (empty, update, finalize, finite check, duplicate check), the
   # preprocessing (two spectra, the transform), the fit, and one scorer.
   # Shapes unique to this test, so nothing is in jax's in-memory caches.
