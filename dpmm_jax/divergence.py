@@ -387,10 +387,15 @@ def _split_move(base, i, k, x, y, delta, sigma):
 
 def _double_split(base, i, k, c, k2, x, y, delta, sigma):
   """Halves box i along k, then child c of it (0: box i, 1: the new box) along k2."""
-  grown1, gain1 = _split_move(base, i, k, x, y, delta, sigma)
-  child = jnp.where(c == 1, base.num_regions, i)
-  grown2, gain2 = _split_move(grown1, child, k2, x, y, delta, sigma)
-  return grown2, gain1 + gain2
+  boxes = jnp.stack([i, jnp.where(c == 1, base.num_regions, i)]).astype(jnp.int32)
+  dims = jnp.stack([k, k2]).astype(jnp.int32)
+
+  def halve(t, carry):  # a loop, not two inlined halvings: one copy in the program
+    state, gain = carry
+    state, g = _split_move(state, boxes[t], dims[t], x, y, delta, sigma)
+    return state, gain + g
+
+  return lax.fori_loop(0, 2, halve, (base, jnp.zeros_like(base.log_posterior)))
 
 
 def split_log_ratio(state, i, k, u_x, u_y, logq_ik, delta, sigma):
@@ -693,18 +698,38 @@ def run_chain(key, x, y, valid_x, valid_y, delta, sigma, alpha, config: Config) 
     s, acc = mcmc_step(s, k, x, y, config.kernel, delta, sigma, config.double_moves)
     return (s, n_acc + acc), None
 
+  # The keys of every step and draw, derived as burn-in keys from k_burn and, for draw j,
+  # (thin step keys, draw key) from the j-th key of k_keep.
   k_burn, k_keep = jax.random.split(key)
-  (state, n_acc), _ = lax.scan(step, (state, jnp.int32(0)),
-                               jax.random.split(k_burn, config.num_burnin))
+  burn_keys = jax.random.split(k_burn, config.num_burnin)
+  keep_pairs = jax.vmap(jax.random.split)(jax.random.split(k_keep, config.num_samples))
+  thin_keys = jax.vmap(lambda k: jax.random.split(k, config.thin))(keep_pairs[:, 0])
+  step_keys = jnp.concatenate(
+      [burn_keys, thin_keys.reshape((-1,) + thin_keys.shape[2:])])
+  # Segment 0 is the burn-in (its draw is discarded), segment j >= 1 the thin steps before
+  # draw j: one loop over segments holds a single copy of the MCMC step and of the draw,
+  # which halves the compiled program against a burn-in loop beside a draw loop.
+  seg = jnp.arange(config.num_samples + 1, dtype=jnp.int32)
+  seg_start = jnp.where(seg == 0, 0, config.num_burnin + (seg - 1) * config.thin)
+  seg_len = jnp.where(seg == 0, config.num_burnin, config.thin)
+  div_keys = jnp.concatenate([keep_pairs[:1, 1], keep_pairs[:, 1]])
 
-  def keep(carry, k):
-    k_steps, k_div = jax.random.split(k)
-    carry, _ = lax.scan(step, carry, jax.random.split(k_steps, config.thin))
+  def segment(carry, xs):
+    start, length, k_div = xs
+
+    def body(t, c):
+      s, n_acc = c
+      s, acc = mcmc_step(s, step_keys[start + t], x, y, config.kernel, delta, sigma,
+                         config.double_moves)
+      return s, n_acc + acc
+
+    carry = lax.fori_loop(0, length, body, carry)
     s = carry[0]
     return carry, (draw_divergences(s, k_div, delta, alpha), s.num_regions)
 
-  (state, n_acc), (divs, nreg) = lax.scan(keep, (state, n_acc),
-                                          jax.random.split(k_keep, config.num_samples))
+  (state, n_acc), (divs, nreg) = lax.scan(segment, (state, jnp.int32(0)),
+                                          (seg_start, seg_len, div_keys))
+  divs, nreg = divs[1:], nreg[1:]
   moves = 2 if (config.double_moves and config.max_regions >= 3) else 1
   total = moves * (config.num_burnin + config.num_samples * config.thin)
   return ChainOutput(divs, nreg, n_acc / jnp.float32(max(total, 1)), state)
