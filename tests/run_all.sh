@@ -18,6 +18,9 @@ if [ -z "${DPMM_JAX_TEST_CACHE:-}" ]; then
   trap 'rm -rf "$DPMM_JAX_TEST_CACHE"' EXIT
 fi
 export DPMM_JAX_TEST_CACHE
+# Notebook kernels and experiment binaries that tests start use it too (not the user's
+# per-user cache in ~/.cache/dpmm_jax, which the suite leaves untouched).
+export DPMM_JAX_COMPILATION_CACHE="$DPMM_JAX_TEST_CACHE"
 python -m pytest tests --ignore-glob='*_f64.py' --ignore-glob='*_multidevice.py' -q -n "$workers" --dist worksteal --durations=15 "$@"
 shopt -s nullglob
 f64=(tests/*_f64.py)
