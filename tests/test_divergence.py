@@ -15,6 +15,7 @@ from scipy import special, stats
 
 from dpmm_jax import divergence as dv
 from experiments import divergence_problems as dp
+from tests.test_threads_and_cache import _programs_compiled
 
 DELTA = 0.5
 CHI2_LEVEL = 1e-3  # chi-square tests reject at this level (fixed seeds: deterministic)
@@ -258,6 +259,29 @@ def test_identical_samples_give_near_zero():
     assert 0 <= float(res.mean) < bound, (kind, res.mean)
     assert float(res.credible_interval[0]) <= float(res.mean) <= float(
         res.credible_interval[1])
+
+
+def test_estimate_pads_samples_so_nearby_sizes_share_one_compiled_chain():
+  assert [dv.padded_size(n) for n in (1, 64, 65, 100, 1000, 1024, 1025)] == [
+      64, 64, 80, 112, 1024, 1024, 1280]
+  for n in range(1, 5000, 7):
+    assert n <= dv.padded_size(n) <= max(64, 1.25 * n), n
+  rng = np.random.default_rng(5)
+  x, y = rng.beta(2.0, 5.0, size=(1010, 1)), rng.beta(5.0, 2.0, size=(990, 1))
+  settings = dict(num_chains=2, num_burnin=30, num_samples=20, max_regions=16)
+  res = dv.estimate(x, y, "hellinger", key=jax.random.PRNGKey(0), **settings)
+  # The masked padding rows change nothing: the draws of the chain on the bare samples.
+  x01, y01 = dv.rescale(x, y)
+  config = dv.Config(max_regions=16, num_burnin=30, num_samples=20)
+  bare = jax.vmap(dv.run_chain, in_axes=(0,) + (None,) * 8)(
+      jax.random.split(jax.random.PRNGKey(0), 2), x01, y01, jnp.ones(1010, bool),
+      jnp.ones(990, bool), DELTA, 2.0, 2.0, config)
+  np.testing.assert_array_equal(np.asarray(res.samples),
+                                np.asarray(bare.divergences)[..., dv.KINDS.index("hellinger")])
+  # Other sizes in the same buckets (1024 rows each) reuse the compiled chain.
+  _, compiled = _programs_compiled(lambda: dv.estimate(
+      x[:1001], y[:980], "hellinger", key=jax.random.PRNGKey(1), **settings))
+  assert compiled == 0
 
 
 def test_disjoint_supports_give_tv_near_one():
