@@ -262,25 +262,27 @@ def test_identical_samples_give_near_zero():
 
 
 def test_estimate_pads_samples_so_nearby_sizes_share_one_compiled_chain():
-  assert [dv.padded_size(n) for n in (1, 64, 65, 100, 1000, 1024, 1025)] == [
-      64, 64, 80, 112, 1024, 1024, 1280]
+  assert [dv.padded_size(n) for n in (1, 64, 65, 100, 400, 1000, 1024, 1025)] == [
+      64, 64, 80, 112, 448, 1024, 1024, 1280]
   for n in range(1, 5000, 7):
     assert n <= dv.padded_size(n) <= max(64, 1.25 * n), n
+  # The shapes and settings of the two tests around this one (bare chain at 400 points,
+  # estimate padded to 448), so the run's compilation cache serves all three.
   rng = np.random.default_rng(5)
-  x, y = rng.beta(2.0, 5.0, size=(1010, 1)), rng.beta(5.0, 2.0, size=(990, 1))
-  settings = dict(num_chains=2, num_burnin=30, num_samples=20, max_regions=16)
-  res = dv.estimate(x, y, "hellinger", key=jax.random.PRNGKey(0), **settings)
+  x, y = rng.beta(2.0, 5.0, size=(420, 2)), rng.beta(5.0, 2.0, size=(420, 2))
+  res = dv.estimate(x[:400], y[:400], "hellinger", key=jax.random.PRNGKey(0),
+                    **ESTIMATE_SETTINGS)
   # The masked padding rows change nothing: the draws of the chain on the bare samples.
-  x01, y01 = dv.rescale(x, y)
-  config = dv.Config(max_regions=16, num_burnin=30, num_samples=20)
+  x01, y01 = dv.rescale(x[:400], y[:400])
+  config = dv.Config(max_regions=64, num_burnin=400, num_samples=300)
   bare = jax.vmap(dv.run_chain, in_axes=(0,) + (None,) * 8)(
-      jax.random.split(jax.random.PRNGKey(0), 2), x01, y01, jnp.ones(1010, bool),
-      jnp.ones(990, bool), DELTA, 2.0, 2.0, config)
+      jax.random.split(jax.random.PRNGKey(0), 2), jnp.asarray(x01), jnp.asarray(y01),
+      jnp.ones(400, bool), jnp.ones(400, bool), DELTA, 3.0, 2.0, config)
   np.testing.assert_array_equal(np.asarray(res.samples),
                                 np.asarray(bare.divergences)[..., dv.KINDS.index("hellinger")])
-  # Other sizes in the same buckets (1024 rows each) reuse the compiled chain.
+  # Other sizes in the same bucket (448 rows) reuse the compiled chain.
   _, compiled = _programs_compiled(lambda: dv.estimate(
-      x[:1001], y[:980], "hellinger", key=jax.random.PRNGKey(1), **settings))
+      x[:420], y[:390], "hellinger", key=jax.random.PRNGKey(1), **ESTIMATE_SETTINGS))
   assert compiled == 0
 
 
