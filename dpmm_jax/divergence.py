@@ -897,6 +897,7 @@ def padded_size(n: int) -> int:
   """The number of rows ``estimate`` pads a sample of n points to: at least 64, else the
   smallest multiple of 2^(floor(log2 n) - 2) that holds n (at most 25 % padding, four sizes
   per doubling), so that samples of nearby sizes share one compiled chain."""
+  validation.positive_int(n, "n")
   if n <= _MIN_PADDED_SIZE:
     return _MIN_PADDED_SIZE
   step = 2 ** (int(n).bit_length() - 3)

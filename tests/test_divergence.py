@@ -266,6 +266,9 @@ def test_estimate_pads_samples_so_nearby_sizes_share_one_compiled_chain():
       64, 64, 80, 112, 448, 1024, 1024, 1280]
   for n in range(1, 5000, 7):
     assert n <= dv.padded_size(n) <= max(64, 1.25 * n), n
+  for bad, error in ((0, ValueError), (-3, ValueError), (2.5, TypeError)):
+    with pytest.raises(error, match="n must be a positive integer"):
+      dv.padded_size(bad)
   # The shapes and settings of the two tests around this one (bare chain at 400 points,
   # estimate padded to 448), so the run's compilation cache serves all three.
   rng = np.random.default_rng(5)
@@ -277,7 +280,7 @@ def test_estimate_pads_samples_so_nearby_sizes_share_one_compiled_chain():
   config = dv.Config(max_regions=64, num_burnin=400, num_samples=300)
   bare = jax.vmap(dv.run_chain, in_axes=(0,) + (None,) * 8)(
       jax.random.split(jax.random.PRNGKey(0), 2), jnp.asarray(x01), jnp.asarray(y01),
-      jnp.ones(400, bool), jnp.ones(400, bool), DELTA, 3.0, 2.0, config)
+      jnp.ones(400, bool), jnp.ones(400, bool), DELTA, x.shape[1] + 1.0, 2.0, config)
   np.testing.assert_array_equal(np.asarray(res.samples),
                                 np.asarray(bare.divergences)[..., dv.KINDS.index("hellinger")])
   # Other sizes in the same bucket (448 rows) reuse the compiled chain.
