@@ -107,7 +107,7 @@ def compiled_run_exec(jitted, *args, **kwargs):
   return out, run_s, compile_s, rerun
 
 
-STATIC_KWARGS = ("max_iter", "options")
+STATIC_KWARGS = ("trace_length", "options")
 
 
 def rss_gb(field="VmHWM"):
@@ -277,7 +277,8 @@ def run_row(m, k, d, n, workdir, chunk_rows, block_size, score_chunk, peak, log,
   p, run, comp = compiled_run(jax.jit(tied.fit), st)
   models["tied"] = dict(params=p, fit_s=run, fit_compile_s=comp, iters=0, module=tied)
   # diag and coupled: EM in one jit (the models' own jitted fit).
-  em_options = dict(df=None, mean_concentration=None, tol=1e-6, max_iter=100, df_cap=1e6)
+  em_options = dict(df=None, mean_concentration=None, tol=1e-6, max_iter=100, df_cap=1e6,
+                    trace_length=em.trace_length(100))
   for name, module, extra in (("diag", diag, {}),
                               ("coupled", coupled, dict(gamma_shape=None,
                                                         options=coupled.QuadratureOptions()))):

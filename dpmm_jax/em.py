@@ -40,6 +40,7 @@ the stopping rule is the same as without acceleration; ``EMInfo.step_kind`` reco
 what every iteration was. Every iteration is one EM step and one evaluation of L, so
 ``num_iters`` counts the same work with and without acceleration.
 """
+import functools
 from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 import jax
@@ -134,7 +135,7 @@ def run(step: Callable, log_marginal_likelihood: Callable, init_hyper, stats, *,
         tol: float = 1e-6, max_iter: int = 100, boundary: Optional[Callable] = None,
         boundary_every: int = 10,
         extrapolate: Optional[Dict[str, Tuple[float, float]]] = None,
-        accelerate=True):
+        accelerate=True, trace_length: Optional[int] = None):
   """Runs EM to a relative tolerance on the log marginal likelihood.
 
   Args:
@@ -147,7 +148,8 @@ def run(step: Callable, log_marginal_likelihood: Callable, init_hyper, stats, *,
       A plain step that lowers L by no more than ``NOISE_FLOOR_ULPS`` eps sum|terms| also
       ends the loop as converged: L is then at its round-off floor (in float32 a small L
       made of large terms can wobble above tol * |L| forever).
-    max_iter: iteration cap (static).
+    max_iter: iteration cap: a Python int, or an int32 scalar (may be traced) when
+      ``trace_length`` is given.
     boundary: optional (hyper, stats) -> hyper that moves concentrations whose log
       marginal likelihood still increases at their cap onto the cap (see module
       docstring); tried at the first iteration that meets ``tol`` and every
@@ -159,13 +161,16 @@ def run(step: Callable, log_marginal_likelihood: Callable, init_hyper, stats, *,
       extrapolates (see module docstring) with their limits; None: plain EM.
     accelerate: bool (may be traced): use ``extrapolate``; False gives plain EM from the
       same compiled program.
+    trace_length: static length (> max_iter) of EMInfo's traces; None: max_iter + 1.
+      With it one compiled loop serves every max_iter below it (``jit_fit``).
   Returns:
     (hyper, EMInfo).
   """
   lml0, mag0 = _sum_and_magnitude(log_marginal_likelihood(init_hyper, stats))
-  trace = jnp.full((max_iter + 1,), jnp.nan, lml0.dtype).at[0].set(lml0)
-  mags = jnp.full((max_iter + 1,), jnp.nan, lml0.dtype).at[0].set(mag0)
-  kinds = jnp.full((max_iter + 1,), -1, jnp.int32)
+  length = max_iter + 1 if trace_length is None else trace_length
+  trace = jnp.full((length,), jnp.nan, lml0.dtype).at[0].set(lml0)
+  mags = jnp.full((length,), jnp.nan, lml0.dtype).at[0].set(mag0)
+  kinds = jnp.full((length,), -1, jnp.int32)
   _, newton0 = jax.eval_shape(step, init_hyper, stats)
   newton_init = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), newton0)
   pick = lambda flag, a, b: jax.tree_util.tree_map(lambda u, v: jnp.where(flag, u, v), a, b)
@@ -294,21 +299,54 @@ def merge_newton_info(*infos: NewtonInfo) -> NewtonInfo:
       jnp.any(jnp.stack([jnp.any(i.at_upper) for i in infos])))
 
 
-def jit_fit(fit_hyper: Callable, params_from_hyper: Callable,
-            static_argnames=("max_iter",)):
+# A jitted fit's traces are at least this long (then doubled as max_iter needs): one
+# compiled fit serves every max_iter up to the length less one (``jit_fit``).
+MIN_TRACE_LENGTH = 128
+
+
+def trace_length(max_iter: int) -> int:
+  """Static trace length of a jitted fit run for ``max_iter`` iterations: the smallest
+  ``MIN_TRACE_LENGTH * 2^j`` above max_iter (128 for the default 100 and anything less)."""
+  length = MIN_TRACE_LENGTH
+  while length <= max_iter:
+    length *= 2
+  return length
+
+
+@functools.partial(jax.jit, static_argnames=("size",))
+def _trim(info: EMInfo, size: int) -> EMInfo:
+  cut = lambda a: None if a is None else a[:size]
+  return info._replace(log_marginal_trace=cut(info.log_marginal_trace),
+                       step_kind=cut(info.step_kind), magnitude_trace=cut(info.magnitude_trace))
+
+
+def jit_fit(fit_hyper: Callable, params_from_hyper: Callable, static_argnames=()):
   """Jits a model's whole fit: EM for the hyperparameters, then its predictive parameters.
 
+  ``max_iter`` is an ordinary (traced) argument and ``trace_length`` a static one, so one
+  compilation serves every max_iter below the trace length; call it through
+  :func:`run_jitted_fit`, which picks the length and trims the traces.
+
   Args:
-    fit_hyper: ``(stats, **options) -> (hyper, EMInfo)``.
+    fit_hyper: ``(stats, *, max_iter, trace_length, **options) -> (hyper, EMInfo)``.
     params_from_hyper: ``(hyper, stats[, options]) -> Params``; it also receives
       ``options`` when the fit is called with that keyword (quadrature settings).
-    static_argnames: keywords that are compile-time constants.
+    static_argnames: further keywords that are compile-time constants.
   Returns:
-    ``fit(stats, **options) -> (Params, EMInfo)``, compiled once per shape and statics.
+    ``fit(stats, *, max_iter, trace_length, **options) -> (Params, EMInfo)`` (jitted),
+    compiled once per shape, trace length and statics.
   """
   def fit(stats, **options):
     hyper, info = fit_hyper(stats, **options)
     extra = (options["options"],) if "options" in options else ()
     return params_from_hyper(hyper, stats, *extra), info
 
-  return jax.jit(fit, static_argnames=static_argnames)
+  return jax.jit(fit, static_argnames=("trace_length",) + tuple(static_argnames))
+
+
+def run_jitted_fit(jitted_fit: Callable, stats, *, max_iter: int, **options):
+  """Calls a :func:`jit_fit` function with the trace length for ``max_iter`` (a Python
+  int) and returns (Params, EMInfo) with traces of length max_iter + 1."""
+  params, info = jitted_fit(stats, max_iter=max_iter, trace_length=trace_length(max_iter),
+                            **options)
+  return params, _trim(info, max_iter + 1)

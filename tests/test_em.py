@@ -90,15 +90,24 @@ def test_log_marginal_likelihood_never_decreases(name):
   assert cache_sizes[1:] == cache_sizes[:1] * 2, cache_sizes
 
 
-# The bookkeeping is em.run's, shared by all models; the coupled model is left out here
-# because max_iter is static and its EM costs ~10 s of compilation per new value.
-@pytest.mark.parametrize("name", ["diag", "full"])
+# The bookkeeping is em.run's, shared by all models. max_iter is traced (the traces have
+# a static length, em.trace_length): the fit compiled for the default max_iter = 100
+# serves max_iter = 2, and its first iterations are those of the longer run.
+@pytest.mark.parametrize("name", sorted(MODELS))
 def test_max_iter_reached_is_reported_as_not_converged(name):
   module = MODELS[name]
-  _, info = module.fit(_synthetic_stats(0, name == "full"), tol=1e-12, max_iter=2)
+  st = _synthetic_stats(0, name == "full")
+  _, long_run = module.fit(st, tol=1e-12)
+  compiled = module._fit._cache_size()
+  _, info = module.fit(st, tol=1e-12, max_iter=2)
+  assert module._fit._cache_size() == compiled
   _check_trace(info, 1e-12, 2)
   assert int(info.num_iters) == 2
   assert not bool(info.converged)
+  assert info.log_marginal_trace.shape == info.step_kind.shape == (3,)
+  np.testing.assert_array_equal(info.log_marginal_trace, long_run.log_marginal_trace[:3])
+  np.testing.assert_array_equal(info.step_kind, long_run.step_kind[:3])
+  assert em.trace_length(2) == em.trace_length(127) == 128 and em.trace_length(128) == 256
 
 
 def test_fit_hyper_traces_once_for_repeated_same_shape_calls():

@@ -207,13 +207,15 @@ def extrapolation_bounds(df_cap=1e6, shape_cap=1e6):
 
 
 def fit_hyper(stats, *, df=None, mean_concentration=None, gamma_shape=None, tol=1e-6,
-              max_iter=100, df_cap=1e6, options=QuadratureOptions(), accelerate=True):
+              max_iter=100, df_cap=1e6, options=QuadratureOptions(), accelerate=True,
+              trace_length=None):
   step = functools.partial(em_step, df_cap=df_cap, options=options)
   lml = functools.partial(log_marginal_terms, options=options)
   return em.run(step, lml, init_hyper(stats, df, mean_concentration, gamma_shape), stats,
                 tol=tol, max_iter=max_iter,
                 boundary=functools.partial(tied_limit, df_cap=df_cap, options=options),
-                extrapolate=extrapolation_bounds(df_cap), accelerate=accelerate)
+                extrapolate=extrapolation_bounds(df_cap), accelerate=accelerate,
+                trace_length=trace_length)
 
 
 def params_from_hyper(hyper: Hyper, stats, options=QuadratureOptions()) -> Params:
@@ -456,20 +458,21 @@ def _tail_block(x, t: TailTerms, num_nodes: int):
   return log_int + t.const[None]
 
 
-_fit = em.jit_fit(fit_hyper, params_from_hyper, static_argnames=("max_iter", "options"))
+_fit = em.jit_fit(fit_hyper, params_from_hyper, static_argnames=("options",))
 
 
 def fit(stats, *, df=None, mean_concentration=None, gamma_shape=None, tol=1e-6,
         max_iter=100, df_cap=1e6, options=QuadratureOptions(), accelerate=True):
-  """Fits by EM (one compilation per shape and options): (Params, EMInfo). ``accelerate``:
-  SQUAREM-accelerated EM (default) or plain EM (False), from the same compiled fit."""
+  """Fits by EM: (Params, EMInfo). One compilation per shape and options serves every
+  max_iter up to 127 (``em.trace_length``). ``accelerate``: SQUAREM-accelerated EM
+  (default) or plain EM (False), from the same compiled fit."""
   checks.em_options(tol, max_iter)
   checks.positive_or_none(df, "df")
   checks.positive_or_none(mean_concentration, "mean_concentration")
   checks.positive_or_none(gamma_shape, "gamma_shape")
-  return _fit(stats, df=df, mean_concentration=mean_concentration, gamma_shape=gamma_shape,
-              tol=tol, max_iter=max_iter, df_cap=df_cap, options=options,
-              accelerate=accelerate)
+  return em.run_jitted_fit(_fit, stats, df=df, mean_concentration=mean_concentration,
+                           gamma_shape=gamma_shape, tol=tol, max_iter=max_iter,
+                           df_cap=df_cap, options=options, accelerate=accelerate)
 
 
 def scale_mixture_log_density(x, df, loc, scale_sq, log_weights):

@@ -117,12 +117,13 @@ def extrapolation_bounds(df_cap=1e6):
 
 
 def fit_hyper(stats, *, df=None, mean_concentration=None, tol=1e-6, max_iter=100,
-              df_cap=1e6, accelerate=True):
+              df_cap=1e6, accelerate=True, trace_length=None):
   step = functools.partial(em_step, df_cap=df_cap)
   return em.run(step, log_marginal_terms, init_hyper(stats, df, mean_concentration),
                 stats, tol=tol, max_iter=max_iter,
                 boundary=functools.partial(tied_limit, df_cap=df_cap),
-                extrapolate=extrapolation_bounds(df_cap), accelerate=accelerate)
+                extrapolate=extrapolation_bounds(df_cap), accelerate=accelerate,
+                trace_length=trace_length)
 
 
 def params_from_hyper(hyper: Hyper, stats) -> Params:
@@ -135,13 +136,14 @@ _fit = em.jit_fit(fit_hyper, params_from_hyper)
 
 def fit(stats, *, df=None, mean_concentration=None, tol=1e-6, max_iter=100, df_cap=1e6,
         accelerate=True):
-  """Fits by EM (one compilation per shape): (Params, EMInfo). ``accelerate``:
-  SQUAREM-accelerated EM (default) or plain EM (False), from the same compiled fit."""
+  """Fits by EM: (Params, EMInfo). One compilation per shape serves every max_iter up to
+  127 (``em.trace_length``). ``accelerate``: SQUAREM-accelerated EM (default) or plain
+  EM (False), from the same compiled fit."""
   checks.em_options(tol, max_iter)
   checks.positive_or_none(df, "df")
   checks.positive_or_none(mean_concentration, "mean_concentration")
-  return _fit(stats, df=df, mean_concentration=mean_concentration, tol=tol,
-              max_iter=max_iter, df_cap=df_cap, accelerate=accelerate)
+  return em.run_jitted_fit(_fit, stats, df=df, mean_concentration=mean_concentration,
+                           tol=tol, max_iter=max_iter, df_cap=df_cap, accelerate=accelerate)
 
 
 def product_t_block(x, per_class):

@@ -270,7 +270,7 @@ def extrapolation_bounds(dim: int, df_cap=1e6):
 
 
 def fit_hyper(stats, *, df=None, mean_concentration=None, tol=1e-6, max_iter=100,
-              df_cap=1e6, accelerate=True):
+              df_cap=1e6, accelerate=True, trace_length=None):
   """Runs EM from the paper's initialisation; returns (Hyper, EMInfo).
 
   The statistics are reduced once by ``spectral_summary`` (O(K D^3), in class blocks);
@@ -297,7 +297,8 @@ def fit_hyper(stats, *, df=None, mean_concentration=None, tol=1e-6, max_iter=100
                                                    "mean_concentration": (KAPPA_CAP, True)})
 
   return em.run(step, lml, init, summary, tol=tol, max_iter=max_iter, boundary=tied_limit,
-                extrapolate=extrapolation_bounds(dim, df_cap), accelerate=accelerate)
+                extrapolate=extrapolation_bounds(dim, df_cap), accelerate=accelerate,
+                trace_length=trace_length)
 
 
 def params_from_hyper(hyper: Hyper, stats) -> Params:
@@ -332,15 +333,16 @@ def fit(stats, *, df=None, mean_concentration=None, tol=1e-6, max_iter=100, df_c
         accelerate=True):
   """Fits hyperparameters by EM and precomputes the predictives: (Params, EMInfo).
 
-  ``accelerate``: SQUAREM-accelerated EM (default) or plain EM (False); same compiled fit.
+  ``accelerate``: SQUAREM-accelerated EM (default) or plain EM (False); same compiled fit,
+  which also serves every max_iter up to 127 (``em.trace_length``).
 
   Raises:
     ValueError: missing full statistics, or an initial df <= D + 1 (the NIW prior with
       E[Sigma] = Sigma0 needs nu0 > D + 1).
   """
   check_fit_arguments(stats, tol, max_iter, df, mean_concentration)
-  return _fit(stats, df=df, mean_concentration=mean_concentration, tol=tol,
-              max_iter=max_iter, df_cap=df_cap, accelerate=accelerate)
+  return em.run_jitted_fit(_fit, stats, df=df, mean_concentration=mean_concentration,
+                           tol=tol, max_iter=max_iter, df_cap=df_cap, accelerate=accelerate)
 
 
 # ---------------------------------------------------------------------------- scoring

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from dpmm_jax import blocks
+from dpmm_jax import em
 from dpmm_jax import linalg
 from dpmm_jax import precision
 from dpmm_jax import student_t
@@ -132,11 +133,12 @@ def params_from_hyper(hyper: full.Hyper, stats, max_rank: int = DEFAULT_MAX_RANK
                 prior_scale, prior_df, prior_log_normalizer, jnp.log(stats.count))
 
 
-@functools.partial(jax.jit, static_argnames=("max_iter", "max_rank"))
+@functools.partial(jax.jit, static_argnames=("trace_length", "max_rank"))
 def _fit(stats, *, df, mean_concentration, tol, max_iter, df_cap, accelerate, max_rank,
-         edge_scale):
+         edge_scale, trace_length):
   hyper, info = full.fit_hyper(stats, df=df, mean_concentration=mean_concentration, tol=tol,
-                               max_iter=max_iter, df_cap=df_cap, accelerate=accelerate)
+                               max_iter=max_iter, df_cap=df_cap, accelerate=accelerate,
+                               trace_length=trace_length)
   return params_from_hyper(hyper, stats, max_rank, edge_scale), info
 
 
@@ -156,9 +158,9 @@ def fit(stats, *, df=None, mean_concentration=None, tol=1e-6, max_iter=100, df_c
   full.check_fit_arguments(stats, tol, max_iter, df, mean_concentration, "lowrank")
   max_rank = checks.non_negative_int(max_rank, "max_rank")
   checks.non_negative(edge_scale, "edge_scale")
-  return _fit(stats, df=df, mean_concentration=mean_concentration, tol=tol,
-              max_iter=max_iter, df_cap=df_cap, accelerate=accelerate, max_rank=max_rank,
-              edge_scale=edge_scale)
+  return em.run_jitted_fit(_fit, stats, df=df, mean_concentration=mean_concentration,
+                           tol=tol, max_iter=max_iter, df_cap=df_cap, accelerate=accelerate,
+                           max_rank=max_rank, edge_scale=edge_scale)
 
 
 def scoring_flops(num_points: int, num_classes: int, dim: int, max_rank: int) -> float:
