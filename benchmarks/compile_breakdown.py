@@ -1,0 +1,133 @@
+"""Where the EM fits' and the coupled scorer's compile time goes (issue 14, sections 4 and 6).
+
+Each row compiles one program in a fresh process with the persistent compilation cache
+off (``DPMM_JAX_COMPILATION_CACHE=0``) and reports lowering and XLA compile seconds and
+the optimised HLO's line count. Variants leave out one part of the program, by swapping
+a library function for a reduced one in that process only, to price the part:
+
+* ``fit_hyper``: EM alone (``em.run``), without the predictive parameters;
+* ``no boundary``: ``em.run`` without the boundary (cap) proposal, whose candidate EM
+  steps are a second, vmapped copy of the step in the compiled loop;
+* ``no SQUAREM``, ``neither``: without the extrapolation, without both;
+* ``step``, ``log marginal``, ``params``: one EM step, the log marginal likelihood terms,
+  ``params_from_hyper`` alone;
+* coupled ``log_predictive`` with and without the prior's block (a second copy of the
+  scoring branches, on the prior's 129-node grid) and with the prior scored by the
+  mixture branches only (no per-point tail path).
+
+    python benchmarks/compile_breakdown.py [--classes 3] [--dim 4] [--markdown out.md]
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+FIT_VARIANTS = ("fit_hyper", "no boundary", "no SQUAREM", "neither", "step", "log marginal",
+                "params")
+SCORE_VARIANTS = ("log_predictive", "without the prior's block", "prior by mixture only")
+
+
+def _child(model: str, variant: str, num_classes: int, dim: int) -> dict:
+  """Compiles one program in this process; returns its timings."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import jax
+  import jax.numpy as jnp
+  from dpmm_jax import em
+  from dpmm_jax import stats as stats_lib
+  from dpmm_jax.models import coupled, diag, full
+
+  module = {"diag": diag, "coupled": coupled, "full": full}[model]
+  rng = np.random.default_rng(0)
+  y = np.repeat(np.arange(num_classes), 20).astype(np.int32)
+  x = (rng.normal(size=(len(y), dim)) + y[:, None]).astype(np.float32)
+  stats = stats_lib.from_labels(jnp.asarray(x), jnp.asarray(y), num_classes,
+                                full=model == "full")
+  run = em.run
+  leave_out = {"no boundary": ("boundary",), "no SQUAREM": ("extrapolate",),
+               "neither": ("boundary", "extrapolate")}.get(variant, ())
+
+  def reduced_run(*args, **kwargs):
+    for name in leave_out:
+      kwargs[name] = None
+    return run(*args, **kwargs)
+
+  em.run = reduced_run
+  hyper = module.init_hyper(stats)
+  args = (stats,)
+  if variant in ("fit_hyper", "no boundary", "no SQUAREM", "neither"):
+    fn = lambda s: module.fit_hyper(s)
+  elif variant == "step":
+    fn = lambda s: module.em_step(hyper, s)
+  elif variant == "log marginal":
+    if model == "full":
+      return {}
+    fn = lambda s: module.log_marginal_terms(hyper, s)
+  elif variant == "params":
+    fn = lambda s: module.params_from_hyper(hyper, s)
+  else:   # the coupled scorer
+    params, _ = coupled.fit(stats)
+    test_x = jnp.asarray(3.0 * rng.normal(size=(64, dim)).astype(np.float32))
+    block = coupled._block_with_tails  # pylint: disable=protected-access
+    calls = []
+
+    def reduced_block(xx, terms, num_nodes):
+      calls.append(None)
+      if len(calls) == 2 and variant == "without the prior's block":
+        return jnp.zeros((xx.shape[0], 1), xx.dtype)
+      if len(calls) == 2 and variant == "prior by mixture only":
+        return coupled._adaptive_block(xx, terms[0])  # pylint: disable=protected-access
+      return block(xx, terms, num_nodes)
+
+    coupled._block_with_tails = reduced_block  # pylint: disable=protected-access
+    fn = coupled.log_predictive     # the fitted parameters are an argument, as in the API
+    args = (params, test_x)
+  t0 = time.perf_counter()
+  lowered = jax.jit(fn).lower(*args)
+  t1 = time.perf_counter()
+  compiled = lowered.compile()
+  t2 = time.perf_counter()
+  return {"lower_s": t1 - t0, "compile_s": t2 - t1,
+          "hlo_lines": len(compiled.as_text().splitlines())}
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--classes", type=int, default=3, help="K")
+  parser.add_argument("--dim", type=int, default=4, help="D")
+  parser.add_argument("--models", default="diag,coupled,full", help="comma-separated")
+  parser.add_argument("--markdown", default=None, help="also write the table here")
+  parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  if args.child:
+    model, variant = args.child.split(":", 1)
+    print(json.dumps(_child(model, variant, args.classes, args.dim)))
+    return 0
+  env = dict(os.environ, DPMM_JAX_COMPILATION_CACHE="0")
+  jobs = [(m, v) for m in args.models.split(",") for v in FIT_VARIANTS]
+  if "coupled" in args.models.split(","):
+    jobs += [("coupled", v) for v in SCORE_VARIANTS]
+  lines = [f"Compile time by part, K = {args.classes}, D = {args.dim}, float32, one fresh "
+           "process per row, persistent cache off.", "",
+           "| model | program | lower s | XLA compile s | optimised HLO lines |",
+           "|---|---|---|---|---|"]
+  for model, variant in jobs:
+    out = subprocess.run([sys.executable, __file__, "--classes", str(args.classes), "--dim",
+                          str(args.dim), "--child", f"{model}:{variant}"],
+                         env=env, capture_output=True, text=True, check=True)
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    if not row:
+      continue
+    line = (f"| {model} | {variant} | {row['lower_s']:.2f} | {row['compile_s']:.2f} | "
+            f"{row['hlo_lines']} |")
+    print(line, flush=True)
+    lines.append(line)
+  if args.markdown:
+    with open(args.markdown, "w") as f:
+      f.write("\n".join(lines) + "\n")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
