@@ -41,6 +41,7 @@ what every iteration was. Every iteration is one EM step and one evaluation of L
 ``num_iters`` counts the same work with and without acceleration.
 """
 import functools
+import numbers
 from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 import jax
@@ -162,12 +163,20 @@ def run(step: Callable, log_marginal_likelihood: Callable, init_hyper, stats, *,
     accelerate: bool (may be traced): use ``extrapolate``; False gives plain EM from the
       same compiled program.
     trace_length: static length (> max_iter) of EMInfo's traces; None: max_iter + 1.
-      With it one compiled loop serves every max_iter below it (``jit_fit``).
+      With it one compiled loop serves every max_iter below it (``jit_fit``); a traced
+      max_iter of trace_length or more stops at trace_length - 1 iterations.
   Returns:
     (hyper, EMInfo).
   """
+  if trace_length is None:
+    length = max_iter + 1
+  else:
+    length = int(trace_length)
+    if isinstance(max_iter, numbers.Integral) and not length > max_iter:
+      raise ValueError(f"trace_length must exceed max_iter: got trace_length={length}, "
+                       f"max_iter={max_iter} (em.trace_length(max_iter) gives one).")
+    max_iter = jnp.minimum(max_iter, length - 1)    # the loop never writes past the trace
   lml0, mag0 = _sum_and_magnitude(log_marginal_likelihood(init_hyper, stats))
-  length = max_iter + 1 if trace_length is None else trace_length
   trace = jnp.full((length,), jnp.nan, lml0.dtype).at[0].set(lml0)
   mags = jnp.full((length,), jnp.nan, lml0.dtype).at[0].set(mag0)
   kinds = jnp.full((length,), -1, jnp.int32)

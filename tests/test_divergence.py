@@ -277,10 +277,13 @@ def test_estimate_pads_samples_so_nearby_sizes_share_one_compiled_chain():
                     **ESTIMATE_SETTINGS)
   # The masked padding rows change nothing: the draws of the chain on the bare samples.
   x01, y01 = dv.rescale(x[:400], y[:400])
-  config = dv.Config(max_regions=64, num_burnin=400, num_samples=300)
+  settings = dict(ESTIMATE_SETTINGS)
+  num_chains = settings.pop("num_chains")
+  config = dv.Config(**settings)
   bare = jax.vmap(dv.run_chain, in_axes=(0,) + (None,) * 8)(
-      jax.random.split(jax.random.PRNGKey(0), 2), jnp.asarray(x01), jnp.asarray(y01),
-      jnp.ones(400, bool), jnp.ones(400, bool), DELTA, x.shape[1] + 1.0, 2.0, config)
+      jax.random.split(jax.random.PRNGKey(0), num_chains), jnp.asarray(x01),
+      jnp.asarray(y01), jnp.ones(400, bool), jnp.ones(400, bool), DELTA, x.shape[1] + 1.0,
+      2.0, config)
   np.testing.assert_array_equal(np.asarray(res.samples),
                                 np.asarray(bare.divergences)[..., dv.KINDS.index("hellinger")])
   # Other sizes in the same bucket (448 rows) reuse the compiled chain.

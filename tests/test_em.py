@@ -107,7 +107,12 @@ def test_max_iter_reached_is_reported_as_not_converged(name):
   assert info.log_marginal_trace.shape == info.step_kind.shape == (3,)
   np.testing.assert_array_equal(info.log_marginal_trace, long_run.log_marginal_trace[:3])
   np.testing.assert_array_equal(info.step_kind, long_run.step_kind[:3])
-  assert em.trace_length(2) == em.trace_length(127) == 128 and em.trace_length(128) == 256
+  shortest = em.MIN_TRACE_LENGTH
+  assert em.trace_length(2) == em.trace_length(shortest - 1) == shortest
+  assert em.trace_length(shortest) == 2 * shortest
+  # A trace too short for max_iter is refused, not silently cut.
+  with pytest.raises(ValueError, match="trace_length must exceed max_iter"):
+    module.fit_hyper(st, max_iter=5, trace_length=5)
 
 
 def test_fit_hyper_traces_once_for_repeated_same_shape_calls():
