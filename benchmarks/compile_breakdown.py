@@ -6,8 +6,9 @@ the optimised HLO's line count. Variants leave out one part of the program, by s
 a library function for a reduced one in that process only, to price the part:
 
 * ``fit_hyper``: EM alone (``em.run``), without the predictive parameters;
-* ``no boundary``: ``em.run`` without the boundary (cap) proposal, whose candidate EM
-  steps are a second, vmapped copy of the step in the compiled loop;
+* ``no boundary``: ``em.run`` without the boundary (cap) proposal (``caps``; until
+  session 15 its candidate EM steps were a second, vmapped copy of the step in the
+  compiled loop, now the loop's own step probes them);
 * ``no SQUAREM``, ``neither``: without the extrapolation, without both;
 * ``step``, ``log marginal``, ``params``: one EM step, the log marginal likelihood terms,
   ``params_from_hyper`` alone;
@@ -45,8 +46,8 @@ def _child(model: str, variant: str, num_classes: int, dim: int) -> dict:
   stats = stats_lib.from_labels(jnp.asarray(x), jnp.asarray(y), num_classes,
                                 full=model == "full")
   run = em.run
-  leave_out = {"no boundary": ("boundary",), "no SQUAREM": ("extrapolate",),
-               "neither": ("boundary", "extrapolate")}.get(variant, ())
+  leave_out = {"no boundary": ("caps",), "no SQUAREM": ("extrapolate",),
+               "neither": ("caps", "extrapolate")}.get(variant, ())
 
   def reduced_run(*args, **kwargs):
     for name in leave_out:

@@ -10,11 +10,14 @@ Concentrations whose optimum lies at infinity (``nu0`` when the class covariance
 truly tied, ``kappa0`` when the class means vary no more than their noise) are approached
 by EM only linearly (``nu0`` grows by about ``N_k`` per iteration) while the log marginal
 likelihood flattens, so EM stops on the tolerance at an arbitrary finite value or runs
-into ``max_iter``. A model may therefore pass ``boundary``: at the first iteration that
-meets the tolerance, and every ``boundary_every`` iterations, it proposes moving each
-concentration onto its cap where the marginal likelihood still increases there (the KKT
-condition at an upper bound; by Fisher's identity the slope of the log marginal
-likelihood is the M-step's, which is computed without cancellation). If anything moves,
+into ``max_iter``. A model may therefore pass ``caps``: at the first iteration that
+meets the tolerance, and every ``boundary_every`` iterations, the driver proposes moving
+each concentration onto its cap where the marginal likelihood still increases there (the
+KKT condition at an upper bound; by Fisher's identity the slope of the log marginal
+likelihood is the M-step's, which is computed without cancellation, so one EM step from
+the cap tells the slope's sign). The loop's own step makes these probes, one
+concentration per extra pass of the loop, so the compiled loop holds a single copy of
+the step. If anything moves,
 the next iteration's EM step starts from the candidate, and its result is kept when its
 log marginal likelihood is not lower than the plain iterate's by more than the tolerance
 (otherwise EM resumes from the plain iterate; the trace records a flat step). EM then
@@ -77,8 +80,8 @@ class EMInfo(NamedTuple):
 
 # EMInfo.step_kind codes.
 PLAIN_STEP, EXTRAPOLATED_STEP, BOUNDARY_STEP, REJECTED_STEP = 0, 1, 2, 3
-# What carry["hyper"] is in run's loop: a plain iterate or a pending proposal.
-_POINT, _EXTRAPOLATION, _BOUNDARY = 0, 1, 2
+# What carry["hyper"] is in run's loop: a plain iterate, a pending proposal, or a cap probe.
+_POINT, _EXTRAPOLATION, _BOUNDARY, _PROBE = 0, 1, 2, 3
 # SQUAREM step-length bound: initial value and growth / shrink factor.
 _STEP_MAX0, _STEP_FACTOR = 1.0, 4.0
 
@@ -133,8 +136,9 @@ def _sum_and_magnitude(terms):
 
 
 def run(step: Callable, log_marginal_likelihood: Callable, init_hyper, stats, *,
-        tol: float = 1e-6, max_iter: int = 100, boundary: Optional[Callable] = None,
-        boundary_every: int = 10,
+        tol: float = 1e-6, max_iter: int = 100,
+        caps: Optional[Dict[str, Tuple[Any, bool]]] = None,
+        boundary: Optional[Callable] = None, boundary_every: int = 10,
         extrapolate: Optional[Dict[str, Tuple[float, float]]] = None,
         accelerate=True, trace_length: Optional[int] = None):
   """Runs EM to a relative tolerance on the log marginal likelihood.
@@ -151,12 +155,19 @@ def run(step: Callable, log_marginal_likelihood: Callable, init_hyper, stats, *,
       made of large terms can wobble above tol * |L| forever).
     max_iter: iteration cap: a Python int, or an int32 scalar (may be traced) when
       ``trace_length`` is given.
-    boundary: optional (hyper, stats) -> hyper that moves concentrations whose log
-      marginal likelihood still increases at their cap onto the cap (see module
-      docstring); tried at the first iteration that meets ``tol`` and every
-      ``boundary_every`` iterations (a slow climb towards a cap may never meet it). The
-      trace records the likelihood after an accepted boundary step, and ``converged``
-      still means that the last recorded change met ``tol``.
+    caps: optional {field: (cap value, strict)}: the boundary proposal of the module
+      docstring. At an attempt each named concentration (a field of the hyperparameter
+      NamedTuple) is probed at its cap by the loop's own EM step, one field per extra
+      pass of the loop (not counted in ``num_iters``), and moves onto its cap where the
+      step from there stays at it (``strict=False``, Newton-updated: new >= cap) or goes
+      beyond it (``strict=True``, closed-form: new > cap), i.e. where the slope of L at
+      the cap is positive (Fisher's identity). Tried at the first iteration that meets
+      ``tol`` and every ``boundary_every`` iterations (a slow climb towards a cap may
+      never meet it). The trace records the likelihood after an accepted boundary step,
+      and ``converged`` still means that the last recorded change met ``tol``.
+    boundary: optional (hyper, stats) -> hyper, any other boundary proposal, tried like
+      ``caps`` (at most one of the two). It is compiled into the loop as it is: one
+      that runs ``step`` adds a second copy of the step to the program.
     boundary_every: period (iterations) of the boundary attempts (static).
     extrapolate: optional {field: (lower, upper)}: the hyperparameter fields SQUAREM
       extrapolates (see module docstring) with their limits; None: plain EM.
@@ -168,6 +179,8 @@ def run(step: Callable, log_marginal_likelihood: Callable, init_hyper, stats, *,
   Returns:
     (hyper, EMInfo).
   """
+  if caps and boundary is not None:
+    raise ValueError("em.run takes caps or boundary, not both.")
   if trace_length is None:
     length = max_iter + 1
   else:
@@ -184,6 +197,7 @@ def run(step: Callable, log_marginal_likelihood: Callable, init_hyper, stats, *,
   newton_init = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), newton0)
   pick = lambda flag, a, b: jax.tree_util.tree_map(lambda u, v: jnp.where(flag, u, v), a, b)
   enabled = jnp.asarray(accelerate, bool) & (extrapolate is not None)
+  probe = _CapProbe(caps) if caps else None
 
   def small_change(new_lml, lml, magnitude):
     # Met the tolerance, or an EM step lowered L by no more than its round-off: L is a
@@ -195,17 +209,21 @@ def run(step: Callable, log_marginal_likelihood: Callable, init_hyper, stats, *,
             | ((new_lml <= lml) & (lml - new_lml <= floor)))
 
   def cond(carry):
-    return (carry["it"] < max_iter) & ~carry["converged"]
+    # A cap probe under way always finishes (it decides whether the loop converged).
+    return (((carry["it"] < max_iter) | (carry["kind"] == _PROBE))
+            & ~carry["converged"])
 
   def body(carry):
     # When a proposal (boundary candidate or SQUAREM extrapolation) is pending,
     # carry["hyper"] is that proposal and this iteration's step evaluates it;
-    # carry["fallback"] holds the plain EM iterate it competes with. Evaluating it here,
-    # instead of with a second step inside the proposal, keeps one copy of the step in
-    # the compiled loop.
+    # carry["fallback"] holds the plain EM iterate it competes with. During a cap probe
+    # carry["hyper"] is that iterate with one field at its cap, and the step only tells
+    # whether the field stays there. Evaluating both here, instead of with a second step
+    # inside the proposal, keeps one copy of the step in the compiled loop.
     lml, it, kind = carry["lml"], carry["it"], carry["kind"]
-    pending = kind != _POINT
+    pending = (kind != _POINT) & (kind != _PROBE)
     new_hyper, newton = step(carry["hyper"], stats)
+    stepped = new_hyper
     new_lml, magnitude = _sum_and_magnitude(log_marginal_likelihood(new_hyper, stats))
     fb_hyper, fb_newton, fb_small, fb_magnitude = carry["fallback"]
     # A boundary candidate may lower L by round-off (tol); an extrapolation may not.
@@ -223,20 +241,20 @@ def run(step: Callable, log_marginal_likelihood: Callable, init_hyper, stats, *,
         jnp.where(kind == _BOUNDARY, BOUNDARY_STEP, PLAIN_STEP)))
     proposal, new_kind, tried = new_hyper, jnp.array(_POINT, jnp.int32), carry["tried"]
     moved = jnp.array(False)
-    if boundary is not None:
-      attempt = ~pending & ((small & ~carry["tried"]) | ((it + 1) % boundary_every == 0))
-      candidate = jax.lax.cond(attempt, lambda h: boundary(h, stats), lambda h: h, new_hyper)
-      moved = attempt & jnp.any(jnp.stack([jnp.any(a != b) for a, b in zip(
-          jax.tree_util.tree_leaves(candidate), jax.tree_util.tree_leaves(new_hyper))]))
+    attempt = ~pending & ((small & ~carry["tried"]) | ((it + 1) % boundary_every == 0))
+    if boundary is not None or probe is not None:
       tried = tried | (attempt & small)
+    if boundary is not None:
+      candidate = jax.lax.cond(attempt, lambda h: boundary(h, stats), lambda h: h, new_hyper)
+      moved = attempt & _differs(candidate, new_hyper)
       proposal = pick(moved, candidate, proposal)
       new_kind = jnp.where(moved, _BOUNDARY, new_kind)
-    step_max = carry["step_max"]
+    step_max, at_max = carry["step_max"], carry["at_max"]
     if extrapolate is not None:
       # Two plain steps in a row (prev -> hyper -> new_hyper): propose the extrapolation.
       extrap = enabled & ~pending & carry["chain"] & ~small & ~moved
-      squared, at_max = squarem_proposal(carry["prev"], carry["hyper"], new_hyper,
-                                         extrapolate, step_max)
+      squared, squared_at_max = squarem_proposal(carry["prev"], carry["hyper"], new_hyper,
+                                                 extrapolate, step_max)
       proposal = pick(extrap, squared, proposal)
       new_kind = jnp.where(extrap, _EXTRAPOLATION, new_kind)
       was_extrap = kind == _EXTRAPOLATION
@@ -244,14 +262,24 @@ def run(step: Callable, log_marginal_likelihood: Callable, init_hyper, stats, *,
                            jnp.maximum(_STEP_MAX0, step_max / _STEP_FACTOR),
                            jnp.where(was_extrap & accept & carry["at_max"],
                                      step_max * _STEP_FACTOR, step_max))
-      carry = dict(carry, at_max=jnp.where(extrap, at_max, carry["at_max"]))
+      at_max = jnp.where(extrap, squared_at_max, at_max)
     converged = small & ~moved
-    carry = dict(carry, fallback=(new_hyper, newton, small, magnitude), prev=carry["hyper"],
-                 mags=carry["mags"].at[it + 1].set(magnitude),
-                 chain=~pending, step_max=step_max, kind=new_kind,
-                 kinds=carry["kinds"].at[it + 1].set(step_kind))
-    return dict(carry, hyper=proposal, lml=new_lml, trace=carry["trace"].at[it + 1].set(new_lml),
-                it=it + 1, converged=converged, newton=newton, tried=tried)
+    out = dict(carry, fallback=(new_hyper, newton, small, magnitude), prev=carry["hyper"],
+               mags=carry["mags"].at[it + 1].set(magnitude),
+               chain=~pending, step_max=step_max, kind=new_kind, at_max=at_max,
+               kinds=carry["kinds"].at[it + 1].set(step_kind),
+               hyper=proposal, lml=new_lml, trace=carry["trace"].at[it + 1].set(new_lml),
+               it=it + 1, converged=converged, newton=newton, tried=tried)
+    if probe is None:
+      return out
+    # An attempt starts a probe from the plain iterate; what this iteration would do
+    # without it (propose an extrapolation, stop) waits for the probe's answer.
+    started = dict(out, hyper=probe.candidate(new_hyper, 0), kind=_PROBE, probe_index=0,
+                   probe_up=probe.no_moves(new_hyper), at_max=carry["at_max"],
+                   converged=jnp.array(False),
+                   deferred=(proposal, new_kind, at_max, converged))
+    out = pick(attempt, started, out)
+    return pick(kind == _PROBE, probe.advance(carry, stepped), out)
 
   init = dict(hyper=init_hyper, lml=lml0, trace=trace, mags=mags, kinds=kinds,
               it=jnp.array(0, jnp.int32),
@@ -260,6 +288,10 @@ def run(step: Callable, log_marginal_likelihood: Callable, init_hyper, stats, *,
               fallback=(init_hyper, newton_init, jnp.array(False), mag0), prev=init_hyper,
               chain=jnp.array(False), step_max=jnp.asarray(_STEP_MAX0, lml0.dtype),
               at_max=jnp.array(False))
+  if probe is not None:
+    init.update(probe_index=jnp.array(0, jnp.int32), probe_up=probe.no_moves(init_hyper),
+                deferred=(init_hyper, jnp.array(_POINT, jnp.int32), jnp.array(False),
+                          jnp.array(False)))
   out = jax.lax.while_loop(cond, body, init)
   # A proposal still pending when max_iter is reached was never evaluated: keep the
   # plain iterate whose likelihood the trace records.
@@ -269,35 +301,61 @@ def run(step: Callable, log_marginal_likelihood: Callable, init_hyper, stats, *,
                        out["mags"])
 
 
-def propose_caps(step: Callable, hyper, stats, caps):
-  """Boundary proposal shared by the models (``boundary`` of :func:`run`).
+def _differs(a, b):
+  """() bool: some leaf of pytree a differs from b's."""
+  return jnp.any(jnp.stack([jnp.any(u != v) for u, v in zip(
+      jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b))]))
 
-  Moves each named concentration onto its cap where the log marginal likelihood still
-  increases there: by Fisher's identity the slope at the cap is the M-step's, so a
-  concentration updated by Newton stays at the cap exactly when its slope is positive
-  (``strict=False``: new >= cap) and a closed-form one exceeds the cap
-  (``strict=True``: new > cap). The candidate EM steps run as one vmapped step, so
-  the compiled program holds one copy of it, not one per concentration.
 
-  Args:
-    step: (hyper, stats) -> (hyper, newton_info).
-    hyper: current hyperparameters (a NamedTuple).
-    stats: whatever ``step`` takes.
-    caps: {field name: (cap value, strict)}.
-  Returns:
-    hyper with the fields that should move set to their caps.
+class _CapProbe:
+  """The cap probe of :func:`run` (``caps``): its candidates and its bookkeeping.
+
+  A probe starts from a plain iterate x (``carry["fallback"][0]``). Pass j steps from x
+  with field j at its cap and records, per element, whether the step kept it there
+  (``carry["probe_up"]``); after the last field the proposal is x with the recorded
+  elements at their caps, evaluated by the next EM step like any boundary candidate. If
+  nothing moves, the loop does what the attempt's iteration deferred
+  (``carry["deferred"]``: its proposal, the kind of that proposal, SQUAREM's at-max flag
+  and whether it converged).
   """
-  fields = list(caps)
-  candidates = [hyper._replace(**{f: jnp.full_like(getattr(hyper, f), caps[f][0])})
-                for f in fields]
-  stacked = jax.tree_util.tree_map(lambda *leaves: jnp.stack(leaves), *candidates)
-  stepped = jax.vmap(lambda h: step(h, stats)[0])(stacked)
-  updates = {}
-  for i, field in enumerate(fields):
-    cap_value, new = getattr(candidates[i], field), getattr(stepped, field)[i]
-    up = new > cap_value if caps[field][1] else new >= cap_value
-    updates[field] = jnp.where(up, cap_value, getattr(hyper, field))
-  return hyper._replace(**updates)
+
+  def __init__(self, caps: Dict[str, Tuple[Any, bool]]):
+    self.caps = caps
+    self.fields = list(caps)
+
+  def _cap(self, hyper, field):
+    return jnp.full_like(getattr(hyper, field), self.caps[field][0])
+
+  def no_moves(self, hyper):
+    return tuple(jnp.zeros(jnp.shape(getattr(hyper, f)), bool) for f in self.fields)
+
+  def candidate(self, hyper, index):
+    """hyper with field ``index`` (may be traced) at its cap."""
+    return hyper._replace(**{f: jnp.where(index == j, self._cap(hyper, f), getattr(hyper, f))
+                             for j, f in enumerate(self.fields)})
+
+  def advance(self, carry, stepped):
+    """The carry after the pass that stepped from carry["hyper"] (field
+    carry["probe_index"] at its cap) to ``stepped``."""
+    base, index = carry["fallback"][0], carry["probe_index"]
+    up = []
+    for j, f in enumerate(self.fields):
+      cap, new = self._cap(base, f), getattr(stepped, f)
+      stays = new > cap if self.caps[f][1] else new >= cap
+      up.append(jnp.where(index == j, stays, carry["probe_up"][j]))
+    proposal = base._replace(**{f: jnp.where(u, self._cap(base, f), getattr(base, f))
+                                for f, u in zip(self.fields, up)})
+    moved = _differs(proposal, base)
+    last = index == len(self.fields) - 1
+    deferred_hyper, deferred_kind, deferred_at_max, deferred_converged = carry["deferred"]
+    pick = lambda flag, a, b: jax.tree_util.tree_map(lambda u, v: jnp.where(flag, u, v), a, b)
+    return dict(
+        carry, probe_index=index + 1, probe_up=tuple(up),
+        hyper=pick(last, pick(moved, proposal, deferred_hyper),
+                   self.candidate(base, index + 1)),
+        kind=jnp.where(last, jnp.where(moved, _BOUNDARY, deferred_kind), _PROBE),
+        at_max=jnp.where(last & ~moved, deferred_at_max, carry["at_max"]),
+        converged=last & deferred_converged & ~moved)
 
 
 def merge_newton_info(*infos: NewtonInfo) -> NewtonInfo:

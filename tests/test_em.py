@@ -7,6 +7,7 @@ can differ by round-off of order K * 10 * eps * |L| ~ 1e-5 |L| (eps = 1.2e-7). O
 decreases are 1-2 ulps of L (~2e-7 relative); a real EM bug moves L by >= 1e-3 relative.
 """
 import functools
+from typing import NamedTuple
 
 import chex
 import jax
@@ -205,6 +206,82 @@ def test_unequal_covariances_keep_nu0_small():
                                                 df_cap=3.0 * NK_TIED)
   assert not bool(report.em.newton.at_upper)
   assert 4.5 < float(det.params.hyper.df) < 12.0, float(det.params.hyper.df)
+
+
+class _Toy(NamedTuple):
+  a: jax.Array     # (2,) Newton-like: the step clips at the cap
+  b: jax.Array     # () closed-form: the step may pass the cap; target 2 = the cap
+                   # (a step from the cap stays at it: strict, no move)
+  c: jax.Array     # () not capped
+
+
+_TOY_CAPS = {"a": (3.0, False), "b": (2.0, True)}
+
+
+def _toy_step(h, target_a):
+  """One 'EM step' towards (target_a, 2, 1); a[0] creeps (rate 0.02)."""
+  a = jnp.minimum(h.a + jnp.array([0.02, 0.5]) * (target_a - h.a), _TOY_CAPS["a"][0])
+  return _Toy(a, h.b + 0.5 * (2.0 - h.b), h.c + 0.5 * (1.0 - h.c)), jnp.zeros(())
+
+
+def _toy_lml(h, target_a):
+  return jnp.stack([-jnp.sum(jnp.square(h.a - target_a)), -jnp.square(h.b - 2.0),
+                    -jnp.square(h.c - 1.0)])
+
+
+def _reference_caps(hyper, stats):
+  """The cap proposal as a separate computation (one EM step per field from the cap)."""
+  updates = {}
+  for field, (cap, strict) in _TOY_CAPS.items():
+    at_cap = jnp.full_like(getattr(hyper, field), cap)
+    new = getattr(_toy_step(hyper._replace(**{field: at_cap}), stats)[0], field)
+    updates[field] = jnp.where(new > cap if strict else new >= cap, cap, getattr(hyper, field))
+  return hyper._replace(**updates)
+
+
+@pytest.mark.parametrize("max_iter", [5, 100])
+@pytest.mark.parametrize("accelerate", [False, True])
+@pytest.mark.parametrize("beyond_cap", [False, True])
+def test_cap_probe_by_the_loop_step_equals_the_separate_proposal(beyond_cap, accelerate,
+                                                                   max_iter):
+  """em.run's ``caps`` probe (the loop's own step, one field per extra pass) makes the
+  decisions of the proposal computed on the side, with the same trace, step kinds,
+  iteration count and end point: also when the attempt falls on the last iteration
+  (max_iter = 5: the probe finishes, a candidate is never evaluated) and when the
+  attempt's iteration also proposes a SQUAREM extrapolation (iteration 5), which waits
+  for the probe. Only elements whose target lies beyond their cap move there."""
+  target = jnp.array([10.0 if beyond_cap else 2.0, 1.0])
+  init = _Toy(jnp.zeros(2), jnp.array(1.5), jnp.array(0.0))
+  kwargs = dict(tol=1e-9, max_iter=max_iter, accelerate=accelerate, boundary_every=5,
+                extrapolate={"a": (-1.0, 3.0), "c": (-1.0, 10.0)})
+  got, info = em.run(_toy_step, _toy_lml, init, target, caps=_TOY_CAPS, **kwargs)
+  want, ref = em.run(_toy_step, _toy_lml, init, target, boundary=_reference_caps, **kwargs)
+  assert int(info.num_iters) == int(ref.num_iters)
+  assert bool(info.converged) == bool(ref.converged)
+  np.testing.assert_array_equal(info.step_kind, ref.step_kind)
+  np.testing.assert_array_equal(info.log_marginal_trace, ref.log_marginal_trace)
+  for field in _Toy._fields:
+    np.testing.assert_array_equal(getattr(got, field), getattr(want, field))
+  kinds = np.asarray(info.step_kind)
+  if max_iter == 5:
+    assert int(info.num_iters) == 5 and not bool(info.converged)
+    assert float(got.a[0]) < 3.0        # a candidate at the cap was not evaluated
+    return
+  # Plain EM creeping towards a[0] = 2 (rate 0.02) is slow; the others converge.
+  assert bool(info.converged) == (beyond_cap or accelerate)
+  # Iteration 5 is an attempt; with SQUAREM it also proposes an extrapolation, which
+  # iteration 6 evaluates unless the probe moved something (then 6 is a boundary step).
+  if accelerate:
+    assert kinds[5] == em.PLAIN_STEP
+    assert kinds[6] == (em.BOUNDARY_STEP if beyond_cap else em.EXTRAPOLATED_STEP)
+  assert (em.BOUNDARY_STEP in kinds) == beyond_cap
+  if beyond_cap:
+    assert float(got.a[0]) == 3.0
+  else:
+    assert float(got.a[0]) < 2.1      # near its target 2, never moved to the cap
+  assert float(got.a[1]) < 3.0
+  with pytest.raises(ValueError, match="caps or boundary"):
+    em.run(_toy_step, _toy_lml, init, target, caps=_TOY_CAPS, boundary=_reference_caps)
 
 
 def test_rejected_boundary_candidates_leave_the_em_path_unchanged():

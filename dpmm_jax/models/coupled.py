@@ -191,14 +191,11 @@ def em_step(hyper: Hyper, stats, *, df_cap=1e6, shape_cap=1e6,
   return new, em.merge_newton_info(df_info, shape_info)
 
 
-def tied_limit(hyper: Hyper, stats, *, df_cap=1e6, shape_cap=1e6,
-               kappa_cap=diag.KAPPA_CAP, options=QuadratureOptions()) -> Hyper:
-  """Boundary proposal for ``em.run`` (see ``diag.tied_limit``): nu0_d, kappa0_d and
-  alpha0 (all gamma_k = 1) move onto their caps where the slope there is positive."""
-  step = functools.partial(em_step, df_cap=df_cap, shape_cap=shape_cap, options=options)
-  return em.propose_caps(step, hyper, stats, {"df": (df_cap, False),
-                                              "mean_concentration": (kappa_cap, True),
-                                              "gamma_shape": (shape_cap, False)})
+def boundary_caps(df_cap=1e6, shape_cap=1e6, kappa_cap=diag.KAPPA_CAP):
+  """Boundary proposal for ``em.run`` (``caps``; see ``diag.boundary_caps``): nu0_d,
+  kappa0_d and alpha0 (all gamma_k = 1) move onto their caps where the slope there is
+  positive."""
+  return dict(diag.boundary_caps(df_cap, kappa_cap), gamma_shape=(shape_cap, False))
 
 
 def extrapolation_bounds(df_cap=1e6, shape_cap=1e6):
@@ -213,7 +210,7 @@ def fit_hyper(stats, *, df=None, mean_concentration=None, gamma_shape=None, tol=
   lml = functools.partial(log_marginal_terms, options=options)
   return em.run(step, lml, init_hyper(stats, df, mean_concentration, gamma_shape), stats,
                 tol=tol, max_iter=max_iter,
-                boundary=functools.partial(tied_limit, df_cap=df_cap, options=options),
+                caps=boundary_caps(df_cap),
                 extrapolate=extrapolation_bounds(df_cap), accelerate=accelerate,
                 trace_length=trace_length)
 

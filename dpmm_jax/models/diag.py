@@ -101,14 +101,13 @@ def log_marginal_likelihood(hyper: Hyper, stats):
 KAPPA_CAP = 1e6
 
 
-def tied_limit(hyper: Hyper, stats, *, df_cap=1e6, kappa_cap=KAPPA_CAP) -> Hyper:
-  """Boundary proposal for ``em.run``: moves nu0_d (kappa0_d) onto df_cap (kappa_cap)
-  where the log marginal likelihood still increases there. By Fisher's identity the
-  slope at a capped value is the M-step's: the Newton step for nu0 started at the cap
-  stays there exactly when the slope is positive, and the closed-form kappa0 exceeds the
-  cap exactly when its slope is positive."""
-  return em.propose_caps(functools.partial(em_step, df_cap=df_cap), hyper, stats,
-                         {"df": (df_cap, False), "mean_concentration": (kappa_cap, True)})
+def boundary_caps(df_cap=1e6, kappa_cap=KAPPA_CAP):
+  """Boundary proposal for ``em.run`` (``caps``): nu0_d (kappa0_d) moves onto df_cap
+  (kappa_cap) where the log marginal likelihood still increases there. By Fisher's
+  identity the slope at a capped value is the M-step's: the Newton step for nu0 started
+  at the cap stays there exactly when the slope is positive, and the closed-form kappa0
+  exceeds the cap exactly when its slope is positive."""
+  return {"df": (df_cap, False), "mean_concentration": (kappa_cap, True)}
 
 
 def extrapolation_bounds(df_cap=1e6):
@@ -121,7 +120,7 @@ def fit_hyper(stats, *, df=None, mean_concentration=None, tol=1e-6, max_iter=100
   step = functools.partial(em_step, df_cap=df_cap)
   return em.run(step, log_marginal_terms, init_hyper(stats, df, mean_concentration),
                 stats, tol=tol, max_iter=max_iter,
-                boundary=functools.partial(tied_limit, df_cap=df_cap),
+                caps=boundary_caps(df_cap),
                 extrapolate=extrapolation_bounds(df_cap), accelerate=accelerate,
                 trace_length=trace_length)
 

@@ -289,14 +289,11 @@ def fit_hyper(stats, *, df=None, mean_concentration=None, tol=1e-6, max_iter=100
   def lml(hyper, summary_):   # (K,) terms; em.run sums them
     return _spectral_log_marginal(hyper, summary_, dim, log_det_mean_cov)
 
-  def tied_limit(hyper, summary_):
-    # Boundary proposal for em.run (see diag.tied_limit): nu0 (kappa0) moves onto
-    # D + 1 + df_cap (KAPPA_CAP) when the slope there is positive, i.e. when the M-step
-    # started at the cap stays there (Newton) or goes beyond it (closed-form kappa0).
-    return em.propose_caps(step, hyper, summary_, {"df": (dim + 1.0 + df_cap, False),
-                                                   "mean_concentration": (KAPPA_CAP, True)})
-
-  return em.run(step, lml, init, summary, tol=tol, max_iter=max_iter, boundary=tied_limit,
+  # Boundary proposal for em.run (see diag.boundary_caps): nu0 (kappa0) moves onto
+  # D + 1 + df_cap (KAPPA_CAP) when the slope there is positive, i.e. when the M-step
+  # started at the cap stays there (Newton) or goes beyond it (closed-form kappa0).
+  caps = {"df": (dim + 1.0 + df_cap, False), "mean_concentration": (KAPPA_CAP, True)}
+  return em.run(step, lml, init, summary, tol=tol, max_iter=max_iter, caps=caps,
                 extrapolate=extrapolation_bounds(dim, df_cap), accelerate=accelerate,
                 trace_length=trace_length)
 
