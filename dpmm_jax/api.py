@@ -673,8 +673,23 @@ def _evaluate(det: Detector, x, chunk_size: int):
     score_parts.append(np.asarray(s)[:m])
   class_scores_ = np.concatenate(class_parts) if len(class_parts) > 1 else class_parts[0]
   scores = np.concatenate(score_parts) if len(score_parts) > 1 else score_parts[0]
-  bad = np.flatnonzero(~np.isfinite(np.asarray(scores))
-                       | ~np.all(np.isfinite(np.asarray(class_scores_)), axis=-1))
+  finite_classes = np.all(np.isfinite(np.asarray(class_scores_)), axis=-1)
+  # Finite class densities and a -inf score: the coupled prior's density is +inf.
+  at_prior_mean = np.flatnonzero(finite_classes & np.isneginf(np.asarray(scores))
+                                  & (det.model == "coupled"))
+  if at_prior_mean.size:
+    where = "after the preprocessing, " if det.transform is not None else ""
+    raise ValueError(
+        f"{at_prior_mean.size} row(s) of x have no finite score (first rows: "
+        f"{validation._listed(at_prior_mean)}): {where}they coincide with the coupled "
+        "model's prior mean (params.hyper.loc) in so many coordinates that its prior "
+        "predictive density is infinite there (the integral over the class scale gamma "
+        "diverges as gamma -> 0 when alpha0 + sum of nu0_d / 2 over the other coordinates "
+        f"<= half the number of coinciding ones; alpha0 = "
+        f"{float(det.params.hyper.gamma_shape):.3g}, D = {det.params.hyper.loc.shape[-1]}"
+        "). Under the model such a point is certainly new (outlier probability 1); "
+        "score it with another model, or move it off the prior mean.")
+  bad = np.flatnonzero(~np.isfinite(np.asarray(scores)) | ~finite_classes)
   if bad.size:
     raise ValueError(
         f"{bad.size} row(s) of x could not be scored in {np.dtype(dtype).name} (first rows: "

@@ -30,10 +30,14 @@ def outlier_probability(score, alpha):
 
 
 def label_probabilities(log_counts, class_log_pred, prior_log_pred, alpha):
-  """(M, K+1) posterior over the K known classes and a new class (last column)."""
+  """(M, K+1) posterior over the K known classes and a new class (last column). A row
+  whose prior density is +inf (coupled model, ``prior_density_is_infinite``) is certain
+  to be new: (0, ..., 0, 1)."""
   logits = jnp.concatenate([log_counts + class_log_pred,
                             (jnp.log(alpha) + prior_log_pred)[:, None]], axis=-1)
-  return jax.nn.softmax(logits, axis=-1)
+  certain = jnp.isposinf(logits)
+  return jnp.where(jnp.any(certain, -1, keepdims=True), certain.astype(logits.dtype),
+                   jax.nn.softmax(jnp.where(certain, 0.0, logits), axis=-1))
 
 
 def predict(log_counts, class_log_pred):

@@ -127,6 +127,34 @@ def test_coupled_prior_predictive_at_large_alpha0_matches_a_20001_node_reference
   np.testing.assert_allclose(np.asarray(prior_lp), ref, rtol=0, atol=1e-3)
 
 
+def test_coupled_prior_density_is_infinite_exactly_where_its_integral_diverges():
+  """At the prior mean the integrand over u = log gamma grows like exp(s u) as u -> -inf
+  with s = alpha0 + sum_{d off the mean} nu0_d / 2 - #{d on the mean} / 2: p(x) is +inf
+  where s <= 0 (was NaN), and finite, equal to the 20,001-node reference, just past the
+  boundary. D = 256, alpha0 = 6, nu0 = 8: s = 6 + 4 m - (256 - m) / 2 for m coordinates
+  off the mean, so m <= 27 diverges and m = 28 (s = 4) does not."""
+  dim, alpha0, df0, kappa0 = 256, 6.0, 8.0, 0.5
+  x0, _, var0, params = _coupled_problem(dim, alpha0, df0, kappa0)
+  loc = np.asarray(params.hyper.loc)
+  rng = np.random.default_rng(5)
+  rows = []
+  for m in (0, 1, 27, 28, 40):
+    row = loc.copy()
+    row[:m] += np.sqrt(var0[:m]) * rng.choice([-1.0, 1.0], m) * rng.uniform(0.5, 2.0, m)
+    rows.append(row)
+  xt = np.stack(rows)
+  infinite = np.asarray(coupled.prior_density_is_infinite(params, jnp.asarray(xt)))
+  np.testing.assert_array_equal(infinite, [True, True, True, False, False])
+  for predictive in (_log_predictive, coupled.log_predictive_exact):
+    class_lp, prior_lp = map(np.asarray, predictive(params, jnp.asarray(xt)))
+    assert np.all(np.isfinite(class_lp))
+    assert np.all(prior_lp[:3] == np.inf), prior_lp
+  # (log_predictive_exact's fixed prior grid is no reference there: the per-point path is.)
+  _, prior_lp = map(np.asarray, _log_predictive(params, jnp.asarray(xt[3:])))
+  ref = _np_log_predictive(x0[:0], xt[3:], loc, var0, df0, kappa0, alpha0)
+  np.testing.assert_allclose(prior_lp, ref, rtol=0, atol=1e-3)
+
+
 def _tilted_case(dim=256, n=200, alpha0=6.0, spread=5.0):
   """Class TailTerms of a fitted class, and w of a point ``spread`` x its spread away."""
   x0, _, var0, params = _coupled_problem(dim, alpha0, n=n)

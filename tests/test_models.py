@@ -126,6 +126,21 @@ def test_outlier_probability_is_eq1(preprocess_features, prior_scale):
   assert np.ptp(probs[1]) > 0.5      # the test set holds clear inliers and outliers
 
 
+def test_an_infinite_prior_density_is_a_certain_new_class():
+  """A +inf prior density (the coupled model on its prior mean) gives the new class
+  probability 1 and a -inf score, not NaN; other rows are the plain softmax."""
+  log_counts = jnp.log(jnp.array([3.0, 5.0]))
+  class_lp = jnp.array([[-1.0, -2.0], [-1.0, -2.0]])
+  prior_lp = jnp.array([-3.0, jnp.inf])
+  probs = np.asarray(scores_lib.label_probabilities(log_counts, class_lp, prior_lp, 2.0))
+  np.testing.assert_array_equal(probs[1], [0.0, 0.0, 1.0])
+  logits = np.array([np.log(3.0) - 1.0, np.log(5.0) - 2.0, np.log(2.0) - 3.0])
+  np.testing.assert_allclose(probs[0], np.exp(logits) / np.exp(logits).sum(), rtol=1e-6)
+  s = np.asarray(scores_lib.dpmm_score(log_counts, class_lp, prior_lp))
+  assert s[1] == -np.inf and np.isfinite(s[0])
+  assert float(scores_lib.outlier_probability(s, 2.0)[1]) == 1.0
+
+
 def test_label_probabilities_last_column_is_outlier_probability():
   x, y, xt = _data()
   p = tied.fit(stats_lib.from_labels(x, y, K, full=False))

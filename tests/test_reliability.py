@@ -268,6 +268,25 @@ def test_far_points_in_float32_raise_instead_of_returning_nan():
     dpmm_jax.score(_detector("diag"), x)
 
 
+def test_points_on_the_coupled_prior_mean_are_named_not_called_overflowed():
+  """Where the coupled model's prior predictive density is infinite (a point on the prior
+  mean with alpha0 <= D / 2: the integral over gamma diverges at 0), ``score`` names the
+  rows and the reason; it used to blame an overflow. Points off the mean score finitely."""
+  rng = np.random.default_rng(3)
+  scales = np.array([0.1, 1.0, 10.0])          # class scales far apart: a small alpha0
+  y = np.repeat(np.arange(K), NK).astype(np.int32)
+  x = (rng.normal(size=(K * NK, D)) * np.sqrt(scales[y])[:, None]
+       + 5.0 * rng.normal(size=(K, D))[y]).astype(np.float32)
+  det = _fit(x, y, "coupled", preprocess=False)
+  assert float(det.params.hyper.gamma_shape) <= D / 2
+  mean = np.asarray(det.params.hyper.loc, np.float32)
+  rows = np.stack([x[0], mean, mean + 0.5, mean])
+  with pytest.raises(ValueError, match=r"2 row\(s\) of x have no finite score \(first rows: "
+                     r"\[1, 3\]\): they coincide with the coupled model's prior mean"):
+    dpmm_jax.score(det, rows)
+  _finite_scores(det, rows[:3:2])
+
+
 # ------------------------------------------------------ statistics entry points
 def test_chunked_statistics_validate_their_inputs():
   x, y, _ = _data()

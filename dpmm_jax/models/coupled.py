@@ -650,12 +650,29 @@ def _prior_mixture(params: Params):
   return df, loc, params.prior_gamma[:, None] * scale_sq, params.prior_log_weights
 
 
+def prior_density_is_infinite(params: Params, x):
+  """(M,) True where the prior predictive density p(x) is infinite.
+
+  p(x) = int Gamma(gamma; alpha0, alpha0) prod_d St(x_d | mu0_d, gamma s_d, nu0_d) dgamma.
+  As u = log gamma -> -inf its log integrand grows like s u, with
+  s = alpha0 + sum_{d: x_d != mu0_d} nu0_d / 2 - #{d: x_d = mu0_d} / 2 (a coordinate at
+  the prior mean contributes gamma^(-1/2), any other one gamma^(nu0_d / 2)), so the
+  integral diverges exactly when s <= 0: at the prior mean itself whenever
+  alpha0 <= D / 2, and wherever enough coordinates coincide with it. The class
+  predictives are always finite (their data bound gamma away from 0).
+  """
+  t = params.prior_tail
+  slope = t.alpha0 + jnp.sum(jnp.where(x == t.loc, -0.5, t.half_df0), -1)
+  return slope <= 0
+
+
 def log_predictive(params: Params, x):
   """(class (M, K) log p(x | D_k), prior (M,) log p(x)).
 
   Classes are sorted by the expansion order they need (``mixture_terms``) and scored in
   blocks, each block by the cheapest branch valid for all its classes: a class with a
   narrow posterior of gamma costs about one diagonal-model evaluation, not P of them.
+  The prior's density is +inf where ``prior_density_is_infinite``.
   """
   num_classes, num_nodes, dim = params.class_scale_sq.shape
   terms = mixture_terms(params.class_df, params.class_loc, params.class_scale_sq,
@@ -671,7 +688,7 @@ def log_predictive(params: Params, x):
   df, loc, scale_sq, log_w = _prior_mixture(params)
   prior_terms = mixture_terms(df[None], loc[None], scale_sq[None], log_w[None])
   prior_lp = _block_with_tails(x, (prior_terms, params.prior_tail), nodes)[:, 0]
-  return class_lp, prior_lp
+  return class_lp, jnp.where(prior_density_is_infinite(params, x), jnp.inf, prior_lp)
 
 
 def log_predictive_exact(params: Params, x):
@@ -682,4 +699,5 @@ def log_predictive_exact(params: Params, x):
   size = blocks.class_block_size(x.shape[0], num_classes, _SERIES_PAIR_ELEMENTS * dim)
   class_lp = blocks.map_class_blocks(functools.partial(_exact_block, x), terms, size)
   prior_terms = mixture_terms(*(a[None] for a in _prior_mixture(params)))
-  return class_lp, _exact_block(x, prior_terms)[:, 0]
+  prior_lp = _exact_block(x, prior_terms)[:, 0]
+  return class_lp, jnp.where(prior_density_is_infinite(params, x), jnp.inf, prior_lp)
