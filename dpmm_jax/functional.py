@@ -18,7 +18,10 @@ Validate at the boundary with ``dpmm_jax.score`` when the inputs are untrusted.
 Scores are those of ``dpmm_jax.score`` / ``class_scores`` (same numbers up to float
 rounding; for the coupled model the exact sum over the quadrature nodes replaces the
 adaptive series expansion, whose value-dependent loop cannot be differentiated in
-reverse mode, so it costs up to P times more here).
+reverse mode, so it costs up to P times more here. Until 2026-12-06 the coupled model
+here used the fixed grids for every point, which is off by up to hundreds of nats for
+points far from a class, where ``dpmm_jax.score`` uses a per-point integral; it now takes
+that path too).
 """
 from typing import Tuple
 
@@ -52,9 +55,10 @@ def evaluate(det: "api.Detector", x) -> Tuple[jax.Array, jax.Array]:
   if det.model == "coupled":
     # The adaptive series of coupled.log_predictive runs a loop whose trip count depends
     # on the parameters, which reverse-mode differentiation cannot go through; the exact
-    # sum over the quadrature nodes gives the same density and differentiates.
+    # sum over the quadrature nodes gives the same density and differentiates. Points
+    # that tilt a class off its grid take the per-point path, as in dpmm_jax.score.
     p = det.params
-    class_lp, prior_lp = coupled.log_predictive_exact(p, xb)
+    class_lp, prior_lp = coupled.log_predictive(p, xb, differentiable=True)
     class_scores_ = p.log_counts + class_lp
     score_ = jax.nn.logsumexp(class_scores_, -1) - prior_lp
   else:
