@@ -706,7 +706,10 @@ def log_predictive(params: Params, x, differentiable: bool = False):
 
 
 def log_predictive_exact(params: Params, x):
-  """``log_predictive`` with every class summed over all its P nodes (reference)."""
+  """Every class (and the prior) summed over all its fixed grid nodes, for every point:
+  the reference of the series expansion for points on the grids. Not a reference for
+  points that tilt a posterior of gamma off its grid (``TailTerms``): there it misses
+  mass that ``log_predictive`` integrates per point."""
   num_classes, num_nodes, dim = params.class_scale_sq.shape
   terms = mixture_terms(params.class_df, params.class_loc, params.class_scale_sq,
                         params.class_log_weights)
