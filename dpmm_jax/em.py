@@ -195,7 +195,6 @@ def run(step: Callable, log_marginal_likelihood: Callable, init_hyper, stats, *,
   kinds = jnp.full((length,), -1, jnp.int32)
   _, newton0 = jax.eval_shape(step, init_hyper, stats)
   newton_init = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), newton0)
-  pick = lambda flag, a, b: jax.tree_util.tree_map(lambda u, v: jnp.where(flag, u, v), a, b)
   enabled = jnp.asarray(accelerate, bool) & (extrapolate is not None)
   probe = _CapProbe(caps) if caps else None
 
@@ -230,8 +229,8 @@ def run(step: Callable, log_marginal_likelihood: Callable, init_hyper, stats, *,
     slack = jnp.where(kind == _BOUNDARY, tol * jnp.maximum(1.0, jnp.abs(lml)), 0.0)
     accept = jnp.isfinite(new_lml) & (new_lml >= lml - slack)
     reject = pending & ~accept
-    new_hyper = pick(reject, fb_hyper, new_hyper)
-    newton = pick(reject, fb_newton, newton)
+    new_hyper = _pick(reject, fb_hyper, new_hyper)
+    newton = _pick(reject, fb_newton, newton)
     new_lml = jnp.where(reject, lml, new_lml)
     magnitude = jnp.where(reject, fb_magnitude, magnitude)
     small = jnp.where(reject, fb_small,
@@ -247,7 +246,7 @@ def run(step: Callable, log_marginal_likelihood: Callable, init_hyper, stats, *,
     if boundary is not None:
       candidate = jax.lax.cond(attempt, lambda h: boundary(h, stats), lambda h: h, new_hyper)
       moved = attempt & _differs(candidate, new_hyper)
-      proposal = pick(moved, candidate, proposal)
+      proposal = _pick(moved, candidate, proposal)
       new_kind = jnp.where(moved, _BOUNDARY, new_kind)
     step_max, at_max = carry["step_max"], carry["at_max"]
     if extrapolate is not None:
@@ -255,7 +254,7 @@ def run(step: Callable, log_marginal_likelihood: Callable, init_hyper, stats, *,
       extrap = enabled & ~pending & carry["chain"] & ~small & ~moved
       squared, squared_at_max = squarem_proposal(carry["prev"], carry["hyper"], new_hyper,
                                                  extrapolate, step_max)
-      proposal = pick(extrap, squared, proposal)
+      proposal = _pick(extrap, squared, proposal)
       new_kind = jnp.where(extrap, _EXTRAPOLATION, new_kind)
       was_extrap = kind == _EXTRAPOLATION
       step_max = jnp.where(was_extrap & reject,
@@ -278,8 +277,8 @@ def run(step: Callable, log_marginal_likelihood: Callable, init_hyper, stats, *,
                    probe_up=probe.no_moves(new_hyper), at_max=carry["at_max"],
                    converged=jnp.array(False),
                    deferred=(proposal, new_kind, at_max, converged))
-    out = pick(attempt, started, out)
-    return pick(kind == _PROBE, probe.advance(carry, stepped), out)
+    out = _pick(attempt, started, out)
+    return _pick(kind == _PROBE, probe.advance(carry, stepped), out)
 
   init = dict(hyper=init_hyper, lml=lml0, trace=trace, mags=mags, kinds=kinds,
               it=jnp.array(0, jnp.int32),
@@ -295,10 +294,15 @@ def run(step: Callable, log_marginal_likelihood: Callable, init_hyper, stats, *,
   out = jax.lax.while_loop(cond, body, init)
   # A proposal still pending when max_iter is reached was never evaluated: keep the
   # plain iterate whose likelihood the trace records.
-  hyper = pick(out["kind"] != _POINT, out["fallback"][0], out["hyper"])
+  hyper = _pick(out["kind"] != _POINT, out["fallback"][0], out["hyper"])
   newton = out["newton"]
   return hyper, EMInfo(out["trace"], out["it"], out["converged"], newton, out["kinds"],
                        out["mags"])
+
+
+def _pick(flag, a, b):
+  """Pytree a where flag, else b (leaf by leaf)."""
+  return jax.tree_util.tree_map(lambda u, v: jnp.where(flag, u, v), a, b)
 
 
 def _differs(a, b):
@@ -348,10 +352,9 @@ class _CapProbe:
     moved = _differs(proposal, base)
     last = index == len(self.fields) - 1
     deferred_hyper, deferred_kind, deferred_at_max, deferred_converged = carry["deferred"]
-    pick = lambda flag, a, b: jax.tree_util.tree_map(lambda u, v: jnp.where(flag, u, v), a, b)
     return dict(
         carry, probe_index=index + 1, probe_up=tuple(up),
-        hyper=pick(last, pick(moved, proposal, deferred_hyper),
+        hyper=_pick(last, _pick(moved, proposal, deferred_hyper),
                    self.candidate(base, index + 1)),
         kind=jnp.where(last, jnp.where(moved, _BOUNDARY, deferred_kind), _PROBE),
         at_max=jnp.where(last & ~moved, deferred_at_max, carry["at_max"]),
