@@ -81,24 +81,24 @@ def test_outlier_probability_and_single_point(data, detectors):
     jax.jit(dpmm_jax.score)(det, x_test)
 
 
-def test_coupled_far_points_score_as_in_the_api():
+def test_coupled_far_points_score_as_in_the_api(data, detectors):
   """Points far from every class tilt the coupled model's posterior of gamma_k off its
   grid; the functional scorer takes the API's per-point path there too (with the fixed
-  grids alone it was 5.1 nats off on these points), and its gradient matches
-  central differences."""
+  grids alone it was 158 nats off on these points), and its gradient matches
+  central differences. Same detector and shapes as above: nothing new to compile."""
+  det, x_test = detectors["coupled"], data[2]
   rng = np.random.default_rng(2)
-  k, d, n = 3, 16, 40
-  means = rng.normal(0, 3, (k, d))
-  y = np.repeat(np.arange(k), n)
-  x = (means[y] + rng.uniform(0.3, 3.0, (k, 1))[y] * rng.normal(size=(k * n, d)))
-  det = dpmm_jax.fit_detector(x.astype(np.float32), y, "coupled")
-  far = (means[rng.integers(0, k, 8)] + 8.0 * rng.normal(size=(8, d))).astype(np.float32)
+  far = (x_test + 200.0 * rng.normal(size=x_test.shape)).astype(np.float32)
   expected = np.asarray(dpmm_jax.score(det, far))
   got = np.asarray(score_jit(det, far))
   np.testing.assert_allclose(got, expected, rtol=1e-5, atol=float(1e-5 * np.abs(expected).max()))
-  x0, v = jnp.asarray(far[0]), rng.normal(size=d).astype(np.float32)
+  x0 = jnp.asarray(far[0])
+  v = rng.normal(size=x0.shape).astype(np.float32)
   v /= np.linalg.norm(v)
   g = np.asarray(grad_jit(det, x0))
-  h = 1e-2
+  # 200 spreads out the float32 score (~190) moves in steps of ~5e-3 along v: a step of
+  # 2 (1 % of the distance) keeps that noise at ~1e-3 of the slope (~0.11). In float64
+  # the gradient equals central differences to 1e-8 here.
+  h = 2.0
   fd = (float(score_jit(det, x0 + h * v)) - float(score_jit(det, x0 - h * v))) / (2 * h)
-  assert float(g @ v) == pytest.approx(fd, rel=3e-2, abs=float(3e-2 * np.linalg.norm(g) + 1e-4))
+  assert float(g @ v) == pytest.approx(fd, rel=5e-2)
