@@ -20,9 +20,10 @@ from dpmm_jax import newton
 from dpmm_jax import stats as stats_lib
 from dpmm_jax import student_t
 from dpmm_jax.conjugate import niw
+from dpmm_jax.models import diag
 
 # Cap used when moving kappa0 towards infinity (class means no more spread than noise).
-KAPPA_CAP = 1e6
+KAPPA_CAP = diag.KAPPA_CAP
 
 
 class Hyper(NamedTuple):
@@ -289,10 +290,9 @@ def fit_hyper(stats, *, df=None, mean_concentration=None, tol=1e-6, max_iter=100
   def lml(hyper, summary_):   # (K,) terms; em.run sums them
     return _spectral_log_marginal(hyper, summary_, dim, log_det_mean_cov)
 
-  # Boundary proposal for em.run (see diag.boundary_caps): nu0 (kappa0) moves onto
-  # D + 1 + df_cap (KAPPA_CAP) when the slope there is positive, i.e. when the M-step
-  # started at the cap stays there (Newton) or goes beyond it (closed-form kappa0).
-  caps = {"df": (dim + 1.0 + df_cap, False), "mean_concentration": (KAPPA_CAP, True)}
+  # Boundary proposal for em.run, the diagonal model's with nu0's cap shifted by D + 1:
+  # nu0 (kappa0) moves onto D + 1 + df_cap (KAPPA_CAP) when the slope there is positive.
+  caps = diag.boundary_caps(dim + 1.0 + df_cap, KAPPA_CAP)
   return em.run(step, lml, init, summary, tol=tol, max_iter=max_iter, caps=caps,
                 extrapolate=extrapolation_bounds(dim, df_cap), accelerate=accelerate,
                 trace_length=trace_length)
