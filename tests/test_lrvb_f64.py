@@ -67,6 +67,27 @@ def test_exact_gaussian_chart_invariance_and_polish():
   np.testing.assert_allclose(cov_p, SIGMA, atol=1e-10)
 
 
+def test_polish_takes_a_step_whose_gain_is_below_the_objectives_round_off():
+  """Next to the maximum a Newton step gains less than the objective's round-off. Here a
+  constant 1e4 plus a stop-gradient "round-off" term makes every moved point look 1e-12
+  lower (8 eps |1e4| = 1.8e-11 is the floor): the step that removes a 1.7e-7 gradient is
+  still taken. A point lower by more than the floor is not, whatever its gradient."""
+  start = jnp.full(3, 1.0 + 1e-7)
+
+  def objective(x, penalty):
+    moved = jax.lax.stop_gradient(jnp.any(x != start)).astype(x.dtype)
+    return 1e4 - 0.5 * jnp.sum((x - 1.0) ** 2) - penalty * moved
+
+  grad0 = jnp.linalg.norm(jax.grad(objective)(start, 1e-12))
+  assert 1e-7 < float(grad0) < 1e-6
+  polished = lrvb.newton_polish(objective, start, 1, args=(1e-12,))
+  np.testing.assert_allclose(polished, 1.0, rtol=0, atol=1e-12)
+  assert float(objective(polished, 1e-12)) < float(objective(start, 1e-12))
+  # 1e-9 is above the floor: a real loss, the step (and all its halvings) is refused.
+  stuck = lrvb.newton_polish(objective, start, 1, args=(1e-9,))
+  np.testing.assert_array_equal(stuck, start)
+
+
 def _mean_parameter_blocks(mu, prec, m):
   """V and H of a factorised Gaussian in the mean parameters (E theta_j, E theta_j^2),
   ordered (theta_1, theta_1^2, theta_2, theta_2^2, ...), at means m, variances 1/P_jj."""
