@@ -4,14 +4,15 @@ in session 16 and not adopted; benchmarks/RESULTS.md, "XLA:CPU's older fusion em
 
 For each model, fresh processes with the compilation cache off fit and score a K = 100,
 D = 64, N_k = 50 problem once with ``XLA_FLAGS=--xla_cpu_use_fusion_emitters=false`` and
-once with XLA's default, alternating, ``--repeats`` times. Each reports the first
+once with XLA's default, alternating, ``--repeats`` times (``--xla-flag`` compares
+another setting). Each reports the first
 ``fit_detector`` and ``score`` (wall seconds, and the XLA compile seconds inside them from
 jax's ``backend_compile_duration`` event), then the compiled programs' run time (best
 of 3 further calls) on that problem and on a larger one (``--big``: K, D, N_k, test
 points), where the flag could only cost speed. The table gives the median per setting
 and the ratio flag / no flag.
 
-    python benchmarks/compile_flag.py [--repeats 3] [--markdown out.md]
+    python benchmarks/compile_flag.py [--repeats 3] [--xla-flag ...] [--markdown out.md]
 """
 import argparse
 import json
@@ -72,11 +73,11 @@ def _child(model, big):
   print(json.dumps(out))
 
 
-def _run_child(model, big, flag_on):
+def _run_child(model, big, flag_on, flag=FLAG):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["DPMM_JAX_COMPILATION_CACHE"] = "0"
   if flag_on:
-    env["XLA_FLAGS"] = FLAG
+    env["XLA_FLAGS"] = flag
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
   out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", model,
@@ -91,6 +92,8 @@ def main():
   parser.add_argument("--models", default=",".join(MODELS), help="comma-separated")
   parser.add_argument("--big", default="200,256,100,5000",
                       help="K,D,N_k,test points of the run-time-only problem")
+  parser.add_argument("--xla-flag", default=FLAG,
+                      help="the XLA_FLAGS setting to compare with XLA's defaults")
   parser.add_argument("--markdown", default=None, help="also write the table here")
   parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
   args = parser.parse_args()
@@ -101,14 +104,14 @@ def main():
   import jax  # pylint: disable=g-import-not-at-top
   lines = [f"jax {jax.__version__}, {os.cpu_count()} cores, load before "
            f"{os.getloadavg()[0]:.2f}; medians of {args.repeats} fresh processes per "
-           f"setting; big problem K, D, N_k, M = {big}", "",
+           f"setting; big problem K, D, N_k, M = {big}; flag: {args.xla_flag}", "",
            "| model | XLA flag | " + " | ".join(c.replace("_", " ") + " s" for c in COLUMNS)
            + " |", "|---|---|" + "---|" * len(COLUMNS)]
   for model in args.models.split(","):
     runs = {True: [], False: []}
     for rep in range(args.repeats):
       for flag_on in ((True, False) if rep % 2 == 0 else (False, True)):
-        runs[flag_on].append(_run_child(model, big, flag_on))
+        runs[flag_on].append(_run_child(model, big, flag_on, args.xla_flag))
         print(f"{model} rep {rep + 1} flag {'on' if flag_on else 'off'}: "
               + " ".join(f"{c}={runs[flag_on][-1][c]:.3f}" for c in COLUMNS), flush=True)
     med = {f: {c: statistics.median(r[c] for r in runs[f]) for c in COLUMNS} for f in runs}
