@@ -433,12 +433,17 @@ def test_tiny_and_huge_feature_scales(model, preprocess, scale):
   same -D log c), so in exact arithmetic the scores do not move. They must not move
   beyond round-off, except for EM on raw features: its relative tolerance on the log
   marginal likelihood, which shifts by -N D log c, then stops EM at a different point
-  (documented); there only the ranking must survive."""
+  (documented); there only the ranking must survive. With the preprocessing, the
+  hierarchical fits run EM to tol = 1e-9: at the default tolerance the coupled fit stops
+  on a flat ridge of nu0 where round-off decides the stopping point (XLA's -O0 code
+  generation stopped it at nu0_2 = 215 against 182, log marginal likelihoods 1e-3 apart,
+  and moved far point 16 by 13 nats), which would test EM's stopping, not equivariance."""
   x, y, x_test = _six_classes()
-  ref_det = _fit(x, y, model, preprocess=preprocess)
+  options = {"tol": 1e-9} if model in HIERARCHICAL and preprocess else {}
+  ref_det = _fit(x, y, model, preprocess=preprocess, **options)
   ref = np.asarray(dpmm_jax.score(ref_det, x_test))
   c = np.float32(scale)
-  det = _fit(x * c, y, model, preprocess=preprocess)
+  det = _fit(x * c, y, model, preprocess=preprocess, **options)
   s = _finite_scores(det, x_test * c)
   n = 12   # the first 12 test points are in-distribution, the rest far outliers
   np.testing.assert_array_equal(np.asarray(dpmm_jax.predict(det, x_test[:n] * c)),
