@@ -27,7 +27,7 @@ def _num_classes(per_class) -> int:
   return jax.tree_util.tree_leaves(per_class)[0].shape[0]
 
 
-def _block_loop(fn, per_class, block_size: int, init, write):
+def _block_loop(fn, per_class, block_size: int, init, write, first_block=0):
   num_classes = _num_classes(per_class)
   num_blocks = -(-num_classes // block_size)
 
@@ -37,23 +37,25 @@ def _block_loop(fn, per_class, block_size: int, init, write):
         lambda leaf: jax.lax.dynamic_slice_in_dim(leaf, start, block_size, 0), per_class)
     return write(acc, fn(block), start)
 
-  return jax.lax.fori_loop(0, num_blocks, body, init)
+  return jax.lax.fori_loop(first_block, num_blocks, body, init)
 
 
-def map_class_blocks(fn, per_class, block_size: int):
+def map_class_blocks(fn, per_class, block_size: int, first_block=0):
   """Applies ``fn`` to blocks of classes and concatenates along the class axis.
 
   Args:
     fn: pytree of per-class arrays with leading axis kb -> (M, kb) array.
     per_class: pytree whose leaves all have leading axis K.
     block_size: kb (static).
+    first_block: () int, may be traced: blocks before it (classes [0, first_block kb))
+      are skipped and their columns left at zero. Nonzero only with two or more blocks.
   Returns:
     (M, K) array.
   """
-  return map_blocks(lambda block: fn(block).T, per_class, block_size).T
+  return map_blocks(lambda block: fn(block).T, per_class, block_size, first_block).T
 
 
-def map_blocks(fn, per_class, block_size: int):
+def map_blocks(fn, per_class, block_size: int, first_block=0):
   """Applies ``fn`` to blocks of classes; outputs keep a leading class axis.
 
   Unlike ``map_class_blocks`` (which returns (M, K) score matrices), ``fn`` may return any
@@ -64,12 +66,15 @@ def map_blocks(fn, per_class, block_size: int):
     fn: pytree of per-class arrays with leading axis kb -> pytree, leaves (kb, ...).
     per_class: pytree whose leaves all have leading axis K.
     block_size: kb (static).
+    first_block: as in ``map_class_blocks`` (skipped blocks' rows are zero).
   Returns:
     pytree with leaves (K, ...).
   """
   num_classes = _num_classes(per_class)
   block_size = int(max(1, min(block_size, num_classes)))
   if block_size == num_classes:
+    if not (isinstance(first_block, int) and first_block == 0):
+      raise ValueError("first_block needs two or more blocks")
     return fn(per_class)
   shapes = jax.tree_util.tree_map(
       lambda leaf: jax.ShapeDtypeStruct((block_size,) + leaf.shape[1:], leaf.dtype),
@@ -82,4 +87,4 @@ def map_blocks(fn, per_class, block_size: int):
     return jax.tree_util.tree_map(
         lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r, start, 0), acc, res)
 
-  return _block_loop(fn, per_class, block_size, init, write)
+  return _block_loop(fn, per_class, block_size, init, write, first_block)

@@ -143,6 +143,25 @@ def test_class_blocks_equal_unblocked(block_size):
   np.testing.assert_allclose(got["t"], want["t"], rtol=1e-6)
 
 
+
+def test_class_blocks_skip_the_blocks_before_a_traced_first_block():
+  rng = np.random.default_rng(5)
+  a = jnp.asarray(rng.normal(size=(10, 3)), jnp.float32)
+  xs = jnp.asarray(rng.normal(size=(4, 3)), jnp.float32)
+  scores = lambda aa: xs @ aa.T + 1.0                               # never zero here
+  full = np.asarray(scores(a))
+
+  @jax.jit
+  def skipped(first):
+    return blocks.map_class_blocks(scores, a, 2, first)
+
+  for first in (0, 1, 3):
+    got = np.asarray(skipped(first))
+    np.testing.assert_array_equal(got[:, :2 * first], 0.0)
+    np.testing.assert_allclose(got[:, 2 * first:], full[:, 2 * first:], rtol=1e-6)
+  with pytest.raises(ValueError, match="two or more blocks"):
+    blocks.map_class_blocks(scores, a, 10, 1)
+
 # ---------------------------------------------------------------------- compilation
 def _fit_traces(module, st, **kw):
   before = module._fit._cache_size()
@@ -276,6 +295,31 @@ def _mixture_reference(params, x):
         - 0.5 * (df + 1) * np.log1p(z))
   return sps.logsumexp(lt.sum(-1) + lw[None] - sps.logsumexp(lw, -1)[None, :, None], -1)
 
+
+
+def test_coupled_prior_on_its_grid_matches_the_sum_over_its_nodes():
+  # The prior is scored as pseudo-classes of the classes' node count, each carrying its
+  # share of the prior's mass; on the grid path (no point tilts the prior off its grid)
+  # their logsumexp must be the prior's own P0-node sum.
+  rng = np.random.default_rng(2)
+  y = np.repeat(np.arange(7), 2).astype(np.int32)
+  x = (rng.normal(size=(14, 3)) * np.exp(rng.normal(size=7))[y, None]
+       + 2.0 * rng.normal(size=(7, 3))[y]).astype(np.float32)
+  params, _ = coupled.fit(stats_lib.from_labels(x, y, 7, full=False))
+  h = params.hyper
+  test_x = (np.asarray(h.loc) + rng.normal(size=(400, 3)) * np.sqrt(np.asarray(h.var)))
+  test_x = test_x.astype(np.float32)
+  on_grid = ~np.asarray(coupled._tilt_needs_point_grid(test_x, params.prior_tail))[:, 0]
+  assert on_grid.sum() >= 16, on_grid.sum()
+  test_x = test_x[on_grid]
+  assert params.prior_log_weights.shape[0] % params.class_scale_sq.shape[1] != 0  # a padded chunk
+  _, prior_lp = coupled.log_predictive(params, test_x)
+  df, loc, scale_sq, log_w = (np.asarray(v, np.float64) for v in coupled._prior_mixture(params))
+  z = (test_x[:, None, :].astype(np.float64) - loc) ** 2 / (df * scale_sq[None])
+  lt = (sps.gammaln(0.5 * (df + 1)) - sps.gammaln(0.5 * df) - 0.5 * np.log(np.pi * df * scale_sq)
+        - 0.5 * (df + 1) * np.log1p(z)).sum(-1)
+  ref = sps.logsumexp(lt + log_w - sps.logsumexp(log_w), -1)
+  np.testing.assert_allclose(prior_lp, ref, rtol=0, atol=2e-4)
 
 def test_coupled_narrow_posteriors_use_few_terms_and_keep_accuracy():
   # N_k D = 128,000 observations per class: the posterior of gamma_k is narrow, and EM

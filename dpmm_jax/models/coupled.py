@@ -673,36 +673,82 @@ def prior_density_is_infinite(params: Params, x):
   return slope <= 0
 
 
+def _no_mass(dtype):
+  """A log weight of no mass that keeps sums and gradients finite (an all -inf logsumexp
+  has a NaN gradient)."""
+  return jnp.asarray(-0.25 * jnp.finfo(dtype).max, dtype)
+
+
+def _prior_pseudo_classes(params: Params, num_nodes: int):
+  """The prior's P0-node mixture as J = ceil(P0 / P) pseudo-classes of the classes' P nodes.
+
+  Nodes are cut into J consecutive chunks (the last padded with copies of the last node,
+  of no mass), each in the class layout, so that the compiled class block scores the
+  prior too. On the grid path chunk j's density carries its share of the prior's mass
+  (``share``, added to its node constants after ``mixture_terms`` has normalised each
+  chunk), and log p(x) = logsumexp_j of the chunks' densities. All chunks share the
+  prior's TailTerms, so they take the per-point path together; chunk 0 then gets the
+  whole prior's integral and the others none, so only chunk 0 needs to run: it is placed
+  last (``log_predictive`` starts its loop there).
+
+  Returns:
+    (df, loc (J, D), scale_sq (J, P, D), log_weights (J, P)) for ``mixture_terms``,
+    share (J,) and TailTerms (J, ...).
+  """
+  df, loc, scale_sq, log_w = _prior_mixture(params)               # (D,), (D,), (P0, D), (P0,)
+  none = _no_mass(loc.dtype)
+  num_prior = log_w.shape[0]
+  chunks = -(-num_prior // num_nodes)
+  node = jnp.arange(chunks * num_nodes)
+  idx = jnp.minimum(node, num_prior - 1)
+  node_log_w = jnp.where(node < num_prior, log_w[idx], none).reshape(chunks, num_nodes)
+  node_scale = scale_sq[idx].reshape(chunks, num_nodes, -1)
+  share = jax.nn.logsumexp(node_log_w, -1) - jax.nn.logsumexp(log_w)
+  tail = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (chunks,) + a.shape[1:]),
+                                params.prior_tail)
+  tail = tail._replace(const=jnp.where(jnp.arange(chunks) == 0, tail.const, none))
+  inputs = (jnp.broadcast_to(df, (chunks,) + df.shape),
+            jnp.broadcast_to(loc, (chunks,) + loc.shape), node_scale, node_log_w)
+  chunk0_last = lambda a: jnp.roll(a, -1, axis=0)
+  return jax.tree_util.tree_map(chunk0_last, (inputs, share, tail))
+
+
 def log_predictive(params: Params, x, differentiable: bool = False):
   """(class (M, K) log p(x | D_k), prior (M,) log p(x)).
 
-  Classes are sorted by the expansion order they need (``mixture_terms``) and scored in
-  blocks, each block by the cheapest branch valid for all its classes: a class with a
-  narrow posterior of gamma costs about one diagonal-model evaluation, not P of them.
-  The prior's density is +inf where ``prior_density_is_infinite``.
+  Each class is scored by the cheapest branch valid for it (``_block_with_tails``): a
+  class with a narrow posterior of gamma costs about one diagonal-model evaluation, not
+  P of them. The prior is scored by the same compiled code, as pseudo-classes
+  (``_prior_pseudo_classes``), so the scorer holds one copy of the branches. Classes go
+  one at a time: each takes its own branch and expansion order, which measured as fast
+  as or faster than blocks of several classes (2.6x at K = 200, D = 256). The prior's
+  density is +inf where ``prior_density_is_infinite``.
 
   ``differentiable`` (static): points on the class grids are summed over all P nodes
   instead of by the series, whose loop has a value-dependent trip count that reverse-mode
   differentiation cannot go through (up to P times the work; the same densities up to
   the series' 1e-5 nats); points off them take the per-point path either way.
   """
-  num_classes, num_nodes, dim = params.class_scale_sq.shape
-  terms = mixture_terms(params.class_df, params.class_loc, params.class_scale_sq,
-                        params.class_log_weights)
-  order = jnp.argsort(terms.level, stable=True)
-  sorted_terms = jax.tree_util.tree_map(lambda a: a[order], (terms, params.class_tail))
-  size = max(min(2, num_classes),
-             blocks.class_block_size(x.shape[0], num_classes, _SERIES_PAIR_ELEMENTS * dim))
-  nodes = QuadratureOptions().tail_nodes
-  sorted_lp = blocks.map_class_blocks(
-      functools.partial(_block_with_tails, x, num_nodes=nodes, exact=differentiable),
-      sorted_terms, size)
-  class_lp = sorted_lp[:, jnp.argsort(order)]
-  df, loc, scale_sq, log_w = _prior_mixture(params)
-  prior_terms = mixture_terms(df[None], loc[None], scale_sq[None], log_w[None])
-  prior_lp = _block_with_tails(x, (prior_terms, params.prior_tail), nodes,
-                               exact=differentiable)[:, 0]
-  return class_lp, jnp.where(prior_density_is_infinite(params, x), jnp.inf, prior_lp)
+  num_nodes = params.class_scale_sq.shape[1]
+  prior_inputs, share, prior_tail = _prior_pseudo_classes(params, num_nodes)
+  num_chunks = share.shape[0]
+  class_inputs = (params.class_df, params.class_loc, params.class_scale_sq,
+                  params.class_log_weights)
+  terms = mixture_terms(*(jnp.concatenate(pair) for pair in zip(prior_inputs, class_inputs)))
+  terms = terms._replace(node_const=terms.node_const.at[:num_chunks].add(share[:, None]))
+  tails = jax.tree_util.tree_map(lambda p, c: jnp.concatenate([p, c]), prior_tail,
+                                 params.class_tail)
+  # On the per-point path the prior needs only its last pseudo-class (chunk 0); the
+  # others then add nothing. Reverse-mode differentiation needs a static loop start.
+  prior_far = jnp.any(_tilt_needs_point_grid(x, params.prior_tail))
+  first = 0 if differentiable else jnp.where(prior_far, num_chunks - 1, 0)
+  lp = blocks.map_class_blocks(
+      functools.partial(_block_with_tails, x, num_nodes=QuadratureOptions().tail_nodes,
+                        exact=differentiable),
+      (terms, tails), 1, first)
+  ran = jnp.arange(num_chunks) >= first
+  prior_lp = jax.nn.logsumexp(jnp.where(ran, lp[:, :num_chunks], _no_mass(lp.dtype)), -1)
+  return lp[:, num_chunks:], jnp.where(prior_density_is_infinite(params, x), jnp.inf, prior_lp)
 
 
 def log_predictive_exact(params: Params, x):
