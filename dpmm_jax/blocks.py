@@ -27,6 +27,14 @@ def _num_classes(per_class) -> int:
   return jax.tree_util.tree_leaves(per_class)[0].shape[0]
 
 
+def _zeros_like_varying(block_out, num_classes: int):
+  """(K, ...) zeros for a loop carry that a block result of type ``block_out`` updates;
+  inside ``shard_map`` they vary over the same mesh axes as the result."""
+  zeros = jnp.zeros((num_classes,) + block_out.shape[1:], block_out.dtype)
+  axes = tuple(getattr(block_out, "vma", None) or ())
+  return jax.lax.pcast(zeros, axes, to="varying") if axes else zeros
+
+
 def _block_loop(fn, per_class, block_size: int, init, write, first_block=0):
   num_classes = _num_classes(per_class)
   num_blocks = -(-num_classes // block_size)
@@ -80,8 +88,7 @@ def map_blocks(fn, per_class, block_size: int, first_block=0):
       lambda leaf: jax.ShapeDtypeStruct((block_size,) + leaf.shape[1:], leaf.dtype),
       per_class)
   out = jax.eval_shape(fn, shapes)
-  init = jax.tree_util.tree_map(
-      lambda s: jnp.zeros((num_classes,) + s.shape[1:], s.dtype), out)
+  init = jax.tree_util.tree_map(lambda s: _zeros_like_varying(s, num_classes), out)
 
   def write(acc, res, start):
     return jax.tree_util.tree_map(
