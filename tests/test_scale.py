@@ -321,6 +321,25 @@ def test_coupled_prior_on_its_grid_matches_the_sum_over_its_nodes():
   ref = sps.logsumexp(lt + log_w - sps.logsumexp(log_w), -1)
   np.testing.assert_allclose(prior_lp, ref, rtol=0, atol=2e-4)
 
+
+def test_a_nan_pair_does_not_stop_the_other_pairs_mode_search():
+  # The per-point path's Newton loop runs until the largest step of the block is small.
+  # A pair whose step is NaN must not end it for the others (NaN > tol is False): a class
+  # 1000 spreads away needs ~10 steps to reach its mode.
+  _, _, st = _coupled_stats(3, 3, 4, 20)
+  params, _ = coupled.fit(st)
+  tail = jax.tree_util.tree_map(lambda a: jnp.concatenate([a[:1], a[:1]]), params.class_tail)
+  far = np.asarray(params.class_loc[0]) + 1000.0 * np.sqrt(np.asarray(params.class_scale_sq[0, 0]))
+  w = (jnp.asarray(far, jnp.float32) - tail.loc) ** 2 * tail.inv_scale        # (2, D)
+  w = w.at[1].set(jnp.nan)[None]
+  per_pair = jax.tree_util.tree_map(lambda leaf: leaf[None], tail)
+  alone, _ = jax.jit(coupled._laplace_log_integral, static_argnums=3)(
+      jax.tree_util.tree_map(lambda a: a[:, :1], per_pair), w[:, :1], tail.half_df1[None, :1], 24)
+  both, _ = jax.jit(coupled._laplace_log_integral, static_argnums=3)(
+      per_pair, w, tail.half_df1[None], 24)
+  assert np.isfinite(alone[0, 0])
+  np.testing.assert_allclose(both[0, 0], alone[0, 0], rtol=1e-6)
+
 def test_coupled_narrow_posteriors_use_few_terms_and_keep_accuracy():
   # N_k D = 128,000 observations per class: the posterior of gamma_k is narrow, and EM
   # drives most nu0_d to the 1e6 cap (the float32 cancellation case of the tail path).

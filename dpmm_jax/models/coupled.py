@@ -369,7 +369,11 @@ def _laplace_log_integral(terms: TailTerms, w, half_df, num_nodes: int,
     _, grad, hess = _tilted_log_integrand(t, fixed_terms, fixed_w, fixed_half_df)
     step = jnp.clip(-grad / hess, -_MAX_U_STEP, _MAX_U_STEP)
     new_t = jnp.clip(t + step, -2.0 * _U_BOUND, 2.0 * _U_BOUND)
-    return new_t, jnp.max(jnp.abs(step) * jnp.sqrt(-hess)), it + 1
+    size = jnp.abs(step) * jnp.sqrt(-hess)
+    # A pair whose step is NaN (its integrand is not finite: the prior's at its own mean,
+    # where the density is infinite and den^2 underflows) must not end the other pairs'
+    # search, as NaN > tol would.
+    return new_t, jnp.max(jnp.where(jnp.isnan(size), 0.0, size)), it + 1
 
   def cond(carry):
     _, change, it = carry
