@@ -37,8 +37,9 @@ def _problem(num_classes, dim, per_class, num_test, seed=0):
   return x, y, rng.normal(size=(num_test, dim)).astype(np.float32)
 
 
-def _child(model, big):
-  """Runs in a fresh process; prints one JSON line of seconds."""
+def compile_seconds_counter():
+  """A one-element list that from now on sums this process's XLA backend compile
+  seconds (jax's ``backend_compile_duration`` event); set [0] = 0.0 to restart it."""
   import jax  # pylint: disable=g-import-not-at-top
   compiled = [0.0]
 
@@ -47,6 +48,13 @@ def _child(model, big):
     if event == "/jax/core/compile/backend_compile_duration":
       compiled[0] += duration
   jax.monitoring.register_event_duration_secs_listener(listen)
+  return compiled
+
+
+def _child(model, big):
+  """Runs in a fresh process; prints one JSON line of seconds."""
+  import jax  # pylint: disable=g-import-not-at-top
+  compiled = compile_seconds_counter()
   import numpy as np  # pylint: disable=g-import-not-at-top
   import dpmm_jax  # pylint: disable=g-import-not-at-top
   out = {"flags": os.environ.get("XLA_FLAGS")}

@@ -20,19 +20,15 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import compile_flag  # pylint: disable=g-import-not-at-top,wrong-import-position
+
 DEFAULT_SHAPES = "3,4,20,2048;10,512,50,2048;100,64,20,2048;200,256,10,2048"
 
 
 def _child(num_classes, dim, per_class, num_test):
   """Runs in a fresh process; prints one JSON line of seconds."""
-  import jax  # pylint: disable=g-import-not-at-top
-  compiled = [0.0]
-
-  def listen(event, duration, **kwargs):
-    del kwargs
-    if event == "/jax/core/compile/backend_compile_duration":
-      compiled[0] += duration
-  jax.monitoring.register_event_duration_secs_listener(listen)
+  compiled = compile_flag.compile_seconds_counter()
   import numpy as np  # pylint: disable=g-import-not-at-top
   import dpmm_jax  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(0)

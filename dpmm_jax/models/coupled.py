@@ -725,8 +725,9 @@ def log_predictive(params: Params, x, differentiable: bool = False):
   P of them. The prior is scored by the same compiled code, as pseudo-classes
   (``_prior_pseudo_classes``), so the scorer holds one copy of the branches. Classes go
   one at a time: each takes its own branch and expansion order, which measured as fast
-  as or faster than blocks of several classes (2.6x at K = 200, D = 256). The prior's
-  density is +inf where ``prior_density_is_infinite``.
+  as or faster than blocks of several classes (2.0-2.7x faster at K = 200, D = 256;
+  benchmarks/RESULTS.md, session 17). The prior's density is +inf where
+  ``prior_density_is_infinite``.
 
   ``differentiable`` (static): points on the class grids are summed over all P nodes
   instead of by the series, whose loop has a value-dependent trip count that reverse-mode
