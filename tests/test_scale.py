@@ -18,7 +18,9 @@ from dpmm_jax import api
 from dpmm_jax import blocks
 from dpmm_jax import em
 from dpmm_jax import linalg
+from dpmm_jax import quadrature
 from dpmm_jax import stats as stats_lib
+from dpmm_jax.conjugate import nix
 from dpmm_jax.models import coupled, diag, full
 from tests import coupled_reference
 from tests.test_stats import _numpy_stats
@@ -321,6 +323,29 @@ def test_coupled_prior_on_its_grid_matches_the_sum_over_its_nodes():
   assert params.prior_log_weights.shape[0] % params.class_scale_sq.shape[1] != 0  # a padded chunk
   _, prior_lp = coupled.log_predictive(params, test_x)
   ref = _node_sum_reference(test_x, *(v[None] for v in coupled._prior_mixture(params)))
+  np.testing.assert_allclose(prior_lp, ref[:, 0], rtol=0, atol=2e-4)
+
+
+def test_coupled_prior_grid_nodes_below_the_smallest_float_get_no_mass():
+  # At small alpha0 the prior grid reaches u = log gamma ~ -100, below float32's
+  # smallest normal number: those nodes' gamma is stored as 0 and their scales are not
+  # representable. The fixed-grid prior must stay finite and equal to the float64 sum
+  # over every node (which gives those nodes their negligible mass).
+  _, _, st = _coupled_stats(5, 4, 6, 10)
+  fitted, _ = coupled.fit(st)
+  params = coupled.params_from_hyper(fitted.hyper._replace(gamma_shape=jnp.float32(0.2)), st)
+  assert np.sum(np.asarray(params.prior_gamma) == 0) >= 3     # the case under test
+  h = params.hyper
+  grid = quadrature.gamma_prior_grid(h.gamma_shape, coupled.QuadratureOptions().prior_nodes)
+  df, loc, scale_sq = nix.predictive(nix.prior(h.loc, h.var, h.df, h.mean_concentration))
+  node_scale = (np.exp(np.asarray(grid.nodes, np.float64))[:, None]
+                * np.asarray(scale_sq, np.float64))
+  rng = np.random.default_rng(5)
+  test_x = (np.asarray(h.loc) + 3.0 * rng.normal(size=(64, 6)) * np.sqrt(np.asarray(h.var)))
+  test_x = test_x.astype(np.float32)
+  _, prior_lp = coupled.log_predictive_exact(params, test_x)
+  ref = _node_sum_reference(test_x, np.broadcast_to(df, loc.shape)[None], loc[None],
+                            node_scale[None], params.prior_log_weights[None])
   np.testing.assert_allclose(prior_lp, ref[:, 0], rtol=0, atol=2e-4)
 
 

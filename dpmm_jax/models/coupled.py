@@ -655,10 +655,27 @@ def scoring_orders(params: Params):
 
 
 def _prior_mixture(params: Params):
+  """(df, loc (D,), scale_sq (P0, D), log_weights (P0,)): the prior predictive as a
+  mixture over the prior grid's nodes.
+
+  When alpha0 is small the grid reaches gamma far below the smallest normal float
+  (u ~ -100 at alpha0 = 0.24), where a node's scales (and the inverse the scorers take)
+  are not representable: gamma underflows to 0 and the node sum gives inf - inf. Such
+  nodes get no mass and the scales of the last (largest) node. They hold a negligible
+  share of the prior (e^-21 at alpha0 = 0.24 in float32), and their Student-t densities,
+  at scales of order 1e-38, vanish except within that distance of the prior mean, where
+  a point tilts the prior onto the per-point path (``TailTerms``) anyway.
+  """
   h = params.hyper
   df, loc, scale_sq = nix.predictive(nix.prior(h.loc, h.var, h.df, h.mean_concentration))
   df, loc = jnp.broadcast_arrays(df, loc)
-  return df, loc, params.prior_gamma[:, None] * scale_sq, params.prior_log_weights
+  node_scale = params.prior_gamma[:, None] * scale_sq                # (P0, D)
+  tiny = jnp.finfo(node_scale.dtype).tiny
+  usable = jnp.all((node_scale >= tiny) & (df * node_scale >= tiny), -1)
+  usable = usable.at[-1].set(True)
+  node_scale = jnp.where(usable[:, None], node_scale, node_scale[-1])
+  log_w = jnp.where(usable, params.prior_log_weights, _no_mass(node_scale.dtype))
+  return df, loc, node_scale, log_w
 
 
 def prior_density_is_infinite(params: Params, x):
