@@ -178,6 +178,25 @@ def test_tilted_integrand_third_and_fourth_derivatives_match_autodiff():
     np.testing.assert_allclose(f4, jax.grad(jax.grad(hess))(u), rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("dim,alpha0,df0,n", [(256, 6.0, 8.0, 50), (2, 0.5, 8.0, 2),
+                                              (64, 6.0, 1e6, 3), (16, 1e4, 3.0, 200)])
+def test_class_normaliser_grid_is_centred_at_its_mode_without_a_search(dim, alpha0, df0, n):
+  """The per-point path's normaliser Z_k integrates the class posterior of u = log gamma_k
+  around the mode ``posterior_mode`` found, so ``tail_terms`` centres its grid at t = 0
+  with no Newton search: the log integrand's slope there must vanish (to the mode
+  search's tolerance) and the integral equal the one found after a search."""
+  _, _, _, params = _coupled_problem(dim, alpha0, df0=df0, n=n)
+  t = params.class_tail
+  terms = t._replace(count1=t.count1 - 1.0)          # N_k, and c -> nu'/2, w = 0
+  half_df, w = t.half_df1 - 0.5, jnp.zeros_like(t.loc)
+  _, grad, hess = coupled._tilted_log_integrand(jnp.zeros(2), terms, w, half_df)
+  assert np.all(np.abs(grad / hess) < 1e-5), grad / hess
+  searched, converged = coupled._laplace_log_integral(terms, w, half_df, 96)
+  direct, _ = coupled._laplace_log_integral(terms, w, half_df, 96, at_mode=True)
+  assert converged
+  np.testing.assert_allclose(direct, searched, rtol=1e-12, atol=1e-9)
+
+
 @pytest.mark.parametrize("dim,n,alpha0,spread", [(256, 200, 6.0, 5.0), (768, 50, 6.0, 3.0),
                                                  (64, 3, 6.0, 10.0), (2, 2, 0.5, 1.0)])
 def test_corrected_laplace_branch_matches_the_grid(dim, n, alpha0, spread):

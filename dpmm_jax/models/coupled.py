@@ -216,14 +216,16 @@ def fit_hyper(stats, *, df=None, mean_concentration=None, gamma_shape=None, tol=
 
 
 def params_from_hyper(hyper: Hyper, stats, options=QuadratureOptions()) -> Params:
-  grid = class_grid(hyper, stats, options.score_nodes, options.score_half_width)
+  # One mode search serves the class grid and the per-point path's constants.
+  mode, width, _ = posterior_mode(hyper, stats)
+  grid = quadrature.centred_grid(mode, width, options.score_nodes, options.score_half_width)
   log_w = quadrature.normalized_log_weights(grid, class_log_joint(hyper, stats, grid.nodes))
   _, post = _node_posteriors(hyper, stats, jnp.exp(grid.nodes))
   df, loc, scale_sq = nix.predictive(post)                          # (K, P, D)
   prior_grid = quadrature.gamma_prior_grid(hyper.gamma_shape, options.prior_nodes)
   prior_log_w = quadrature.normalized_log_weights(
       prior_grid, quadrature.log_gamma_density_of_log(prior_grid.nodes, hyper.gamma_shape))
-  class_tail, prior_tail = tail_terms(hyper, stats, options)
+  class_tail, prior_tail = tail_terms(hyper, stats, mode, width, options)
   return Params(hyper, df[:, 0], loc[:, 0], scale_sq, log_w, prior_log_w,
                 jnp.exp(prior_grid.nodes), jnp.log(stats.count), class_tail, prior_tail)
 
@@ -338,7 +340,7 @@ def _tilted_third_fourth(t, terms: TailTerms, w, half_df):
 
 
 def _laplace_log_integral(terms: TailTerms, w, half_df, num_nodes: int,
-                          laplace_tol: Optional[float] = None):
+                          laplace_tol: Optional[float] = None, at_mode: bool = False):
   """log int exp(Phi(t)) dt (less const) by Newton to the mode, then a Laplace grid.
 
   With ``laplace_tol``, when every integral's second-order Laplace correction
@@ -355,6 +357,7 @@ def _laplace_log_integral(terms: TailTerms, w, half_df, num_nodes: int,
     num_nodes: grid nodes.
     laplace_tol: None (always the grid) or the correction size below which the corrected
       Laplace approximation is used (decided for the whole array at once).
+    at_mode: (static) the mode is known to be t = 0: no Newton search.
   Returns:
     ((...) log integral, (...) Newton converged).
   """
@@ -380,9 +383,12 @@ def _laplace_log_integral(terms: TailTerms, w, half_df, num_nodes: int,
     return (change > _TAIL_TOL) & (it < _TAIL_MAX_ITER)
 
   t0 = jnp.zeros_like(w[..., 0])     # keeps w's sharding type in the loop carry
-  change0 = jnp.max(t0) + jnp.inf    # ... and so does the step size (shard_map)
-  t, change, _ = jax.lax.while_loop(cond, body, (t0, change0, jnp.array(0, jnp.int32)))
-  converged = change <= _TAIL_TOL
+  if at_mode:
+    t, converged = t0, jnp.array(True)
+  else:
+    change0 = jnp.max(t0) + jnp.inf    # ... and so does the step size (shard_map)
+    t, change, _ = jax.lax.while_loop(cond, body, (t0, change0, jnp.array(0, jnp.int32)))
+    converged = change <= _TAIL_TOL
   f_mode, _, hess = _tilted_log_integrand(t, terms, w, half_df)
   curv = -hess
   sigma = 1.0 / jnp.sqrt(curv)
@@ -408,10 +414,15 @@ def _laplace_log_integral(terms: TailTerms, w, half_df, num_nodes: int,
   return jax.lax.cond(use_laplace, lambda: laplace, grid), converged
 
 
-def tail_terms(hyper: Hyper, stats, options=QuadratureOptions()):
-  """(class TailTerms (K, ...), prior TailTerms (1, ...)); see ``TailTerms``."""
+def tail_terms(hyper: Hyper, stats, mode, width, options=QuadratureOptions()):
+  """(class TailTerms (K, ...), prior TailTerms (1, ...)); see ``TailTerms``.
+
+  mode, width (K,): ``posterior_mode``'s mode and Laplace width of u = log gamma_k. The
+  normaliser Z_k integrates the class posterior of u itself, whose mode is t = 0: its
+  Laplace grid is centred there without a Newton search (the gradient of its log
+  integrand at t = 0 is the one ``posterior_mode`` drove to zero).
+  """
   dtype = stats.mean.dtype
-  mode, width, _ = posterior_mode(hyper, stats)
   data, nu_post = _data_part(hyper, stats)
   a = hyper.df * hyper.var
   gamma_m = jnp.exp(mode)
@@ -426,7 +437,7 @@ def tail_terms(hyper: Hyper, stats, options=QuadratureOptions()):
   base = TailTerms(loc, 1.0 / (df * scale_sq), 0.5 * (df + 1.0), q, p, half_df0,
                    stats.count + 1.0, shape, shape * gamma_m, jnp.zeros_like(mode), width)
   log_norm, _ = _laplace_log_integral(base._replace(count1=stats.count), jnp.zeros_like(loc),
-                                      0.5 * nu_post, options.norm_nodes)
+                                      0.5 * nu_post, options.norm_nodes, at_mode=True)
   classes = base._replace(const=peak - log_norm)
   # Prior: N = 0, so R = 0, q = 1, the mode of u is 0 and Z = exp(-excess(alpha0)).
   pdf, ploc, pscale = nix.predictive(nix.prior(hyper.loc, hyper.var, hyper.df,
