@@ -24,11 +24,12 @@ def log_evidence(x, loc0, var0, df0, kappa0, gamma):
   return per_dim.sum(-1)
 
 
-def log_predictive(x_train, x_test, loc0, var0, df0, kappa0, alpha0):
+def log_predictive(x_train, x_test, loc0, var0, df0, kappa0, alpha0, u_range=(-25.0, 15.0)):
   """log p(x | D) = log int p(u) p(D | u) p(x | u, D) du - log int p(u) p(D | u) du on
-  20,001 nodes in u = log gamma (x_train may have no rows: the prior predictive)."""
+  20,001 nodes in u = log gamma over ``u_range`` (x_train may have no rows: the prior
+  predictive)."""
   n = x_train.shape[0]
-  u = np.linspace(-25.0, 15.0, REF_NODES)
+  u = np.linspace(*u_range, REF_NODES)
   gamma = np.exp(u)
   log_prior = alpha0 * np.log(alpha0) - scipy.special.gammaln(alpha0) + alpha0 * u - alpha0 * gamma
   if n:

@@ -178,23 +178,28 @@ def test_tilted_integrand_third_and_fourth_derivatives_match_autodiff():
     np.testing.assert_allclose(f4, jax.grad(jax.grad(hess))(u), rtol=1e-9, atol=1e-9)
 
 
-@pytest.mark.parametrize("dim,alpha0,df0,n", [(256, 6.0, 8.0, 50), (2, 0.5, 8.0, 2),
-                                              (64, 6.0, 1e6, 3), (16, 1e4, 3.0, 200)])
-def test_class_normaliser_grid_is_centred_at_its_mode_without_a_search(dim, alpha0, df0, n):
-  """The per-point path's normaliser Z_k integrates the class posterior of u = log gamma_k
-  around the mode ``posterior_mode`` found, so ``tail_terms`` centres its grid at t = 0
-  with no Newton search: the log integrand's slope there must vanish (to the mode
-  search's tolerance) and the integral equal the one found after a search."""
-  _, _, _, params = _coupled_problem(dim, alpha0, df0=df0, n=n)
-  t = params.class_tail
-  terms = t._replace(count1=t.count1 - 1.0)          # N_k, and c -> nu'/2, w = 0
-  half_df, w = t.half_df1 - 0.5, jnp.zeros_like(t.loc)
-  _, grad, hess = coupled._tilted_log_integrand(jnp.zeros(2), terms, w, half_df)
-  assert np.all(np.abs(grad / hess) < 1e-5), grad / hess
-  searched, converged = coupled._laplace_log_integral(terms, w, half_df, 96)
-  direct, _ = coupled._laplace_log_integral(terms, w, half_df, 96, at_mode=True)
-  assert converged
-  np.testing.assert_allclose(direct, searched, rtol=1e-12, atol=1e-9)
+def test_a_class_whose_mode_lies_beyond_the_search_bound_is_scored_per_point_and_right():
+  """A class 1e-10 as wide as the prior scale: the posterior mode of u = log gamma_k lies
+  near -46, beyond the mode search's bound (-U_BOUND = -30), so the class grid is centred
+  at the wrong place. Every point must then take the per-point path, whose searches (the
+  point's integral and the class normaliser's) go on from the bound: log p(x | D_k) within
+  1e-3 nats of a 20,001-node reference on u in [-60, 15]. (A normaliser centred at the
+  bound without a search gave NaN here.)"""
+  dim, df0, kappa0, alpha0, n = 8, 8.0, 0.5, 6.0, 50
+  rng = np.random.default_rng(11)
+  var0 = np.ones(dim)
+  x0 = 1e-10 * rng.normal(size=(n, dim))
+  hyper = coupled.Hyper(jnp.zeros(dim), jnp.asarray(var0), jnp.full(dim, df0),
+                        jnp.full(dim, kappa0), jnp.asarray(alpha0, jnp.float64))
+  st = stats_lib.from_labels(jnp.asarray(x0), jnp.zeros(n, jnp.int32), 1, full=False)
+  mode, _, _ = coupled.posterior_mode(hyper, st)
+  assert float(mode[0]) == -coupled.U_BOUND                  # the case under test
+  params = _params(hyper, st)
+  xt = x0.mean(0) + 1e-10 * np.array([0.5, 1.0, 3.0, 10.0])[:, None] * rng.normal(size=(4, dim))
+  assert np.all(np.asarray(coupled._tilt_needs_point_grid(jnp.asarray(xt), params.class_tail)))
+  class_lp, _ = _log_predictive(params, jnp.asarray(xt))
+  ref = _np_log_predictive(x0, xt, np.zeros(dim), var0, df0, kappa0, alpha0, u_range=(-60.0, 15.0))
+  np.testing.assert_allclose(np.asarray(class_lp)[:, 0], ref, rtol=0, atol=1e-3)
 
 
 @pytest.mark.parametrize("dim,n,alpha0,spread", [(256, 200, 6.0, 5.0), (768, 50, 6.0, 3.0),

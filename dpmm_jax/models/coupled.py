@@ -340,7 +340,7 @@ def _tilted_third_fourth(t, terms: TailTerms, w, half_df):
 
 
 def _laplace_log_integral(terms: TailTerms, w, half_df, num_nodes: int,
-                          laplace_tol: Optional[float] = None, at_mode: bool = False):
+                          laplace_tol: Optional[float] = None):
   """log int exp(Phi(t)) dt (less const) by Newton to the mode, then a Laplace grid.
 
   With ``laplace_tol``, when every integral's second-order Laplace correction
@@ -357,7 +357,6 @@ def _laplace_log_integral(terms: TailTerms, w, half_df, num_nodes: int,
     num_nodes: grid nodes.
     laplace_tol: None (always the grid) or the correction size below which the corrected
       Laplace approximation is used (decided for the whole array at once).
-    at_mode: (static) the mode is known to be t = 0: no Newton search.
   Returns:
     ((...) log integral, (...) Newton converged).
   """
@@ -383,12 +382,9 @@ def _laplace_log_integral(terms: TailTerms, w, half_df, num_nodes: int,
     return (change > _TAIL_TOL) & (it < _TAIL_MAX_ITER)
 
   t0 = jnp.zeros_like(w[..., 0])     # keeps w's sharding type in the loop carry
-  if at_mode:
-    t, converged = t0, jnp.array(True)
-  else:
-    change0 = jnp.max(t0) + jnp.inf    # ... and so does the step size (shard_map)
-    t, change, _ = jax.lax.while_loop(cond, body, (t0, change0, jnp.array(0, jnp.int32)))
-    converged = change <= _TAIL_TOL
+  change0 = jnp.max(t0) + jnp.inf    # ... and so does the step size (shard_map)
+  t, change, _ = jax.lax.while_loop(cond, body, (t0, change0, jnp.array(0, jnp.int32)))
+  converged = change <= _TAIL_TOL
   f_mode, _, hess = _tilted_log_integrand(t, terms, w, half_df)
   curv = -hess
   sigma = 1.0 / jnp.sqrt(curv)
@@ -418,9 +414,9 @@ def tail_terms(hyper: Hyper, stats, mode, width, options=QuadratureOptions()):
   """(class TailTerms (K, ...), prior TailTerms (1, ...)); see ``TailTerms``.
 
   mode, width (K,): ``posterior_mode``'s mode and Laplace width of u = log gamma_k. The
-  normaliser Z_k integrates the class posterior of u itself, whose mode is t = 0: its
-  Laplace grid is centred there without a Newton search (the gradient of its log
-  integrand at t = 0 is the one ``posterior_mode`` drove to zero).
+  normaliser Z_k integrates the class posterior of u itself, whose mode is t = 0 unless
+  the mode search clipped it at +-U_BOUND; its Newton search then goes on from there,
+  as the per-point integrals' searches do, so the two stay consistent.
   """
   dtype = stats.mean.dtype
   data, nu_post = _data_part(hyper, stats)
@@ -437,7 +433,7 @@ def tail_terms(hyper: Hyper, stats, mode, width, options=QuadratureOptions()):
   base = TailTerms(loc, 1.0 / (df * scale_sq), 0.5 * (df + 1.0), q, p, half_df0,
                    stats.count + 1.0, shape, shape * gamma_m, jnp.zeros_like(mode), width)
   log_norm, _ = _laplace_log_integral(base._replace(count1=stats.count), jnp.zeros_like(loc),
-                                      0.5 * nu_post, options.norm_nodes, at_mode=True)
+                                      0.5 * nu_post, options.norm_nodes)
   classes = base._replace(const=peak - log_norm)
   # Prior: N = 0, so R = 0, q = 1, the mode of u is 0 and Z = exp(-excess(alpha0)).
   pdf, ploc, pscale = nix.predictive(nix.prior(hyper.loc, hyper.var, hyper.df,
