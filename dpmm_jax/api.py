@@ -354,12 +354,14 @@ def _check_finite_params(det: "Detector"):
 
 
 def _public_call(fn):
-  """Runs a public-API function with the BLAS pools limited (``threads.limited``) and
-  jaxlib's per-load cache warning hidden (``compilation_cache.quiet_cache_loads``)."""
+  """Runs a public-API function with the BLAS pools limited (``threads.limited``),
+  jaxlib's per-load cache warning hidden (``compilation_cache.quiet_cache_loads``) and
+  every program it compiles stored (``compilation_cache.store_every_program``)."""
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):
     with threads.limited(), compilation_cache.quiet_cache_loads():
-      return fn(*args, **kwargs)
+      with compilation_cache.store_every_program():
+        return fn(*args, **kwargs)
   return wrapped
 
 

@@ -17,10 +17,15 @@ where ``<host>`` names this machine's CPU (architecture and a hash of its model 
 feature flags, ``host_key()``). A CPU program is machine code for the CPU that compiled
 it, and jax's cache key does not include the CPU: a home directory shared by machines of
 different CPUs would otherwise hand one machine's programs to another (XLA warns "This
-could lead to execution errors such as SIGILL"). Programs that
-compile in at least ``MIN_COMPILE_SECS`` are stored (jax's default is 1 s, which would
-leave out most scorers). ``disable()`` switches it off before the first compilation;
-delete the directory to clear it (jax does not bound its size).
+could lead to execution errors such as SIGILL"). While a public-API call runs
+(``store_every_program()``), every program it compiles is stored: a fit's dozen small
+programs (statistics, checks, preprocessing; 0.03-0.7 s each to compile) cost a second
+process about half a second otherwise. Programs compiled outside those calls (your own,
+or the functional layer's called directly) are stored when they compile in at least
+``MIN_COMPILE_SECS`` (jax's default is 1 s, which would leave out most scorers), so that
+a session's many tiny eager operations do not fill the directory. ``disable()`` switches
+the cache off before the first compilation; delete the directory to clear it (jax does
+not bound its size).
 
 jaxlib logs a C++ warning ("Assume version compatibility. PjRt-IFRT does not track XLA
 executable versions.") each time it loads a program from the cache, and on some CPUs
@@ -46,6 +51,10 @@ try:
   from jax._src.lib import utils as _jaxlib_utils  # absl_set_min_log_level
 except ImportError:  # pragma: no cover - a jaxlib without the setter: nothing is silenced
   _jaxlib_utils = None
+try:  # the storing threshold as a thread-local context (``store_every_program``)
+  from jax._src.config import persistent_cache_min_compile_time_secs as _min_compile_secs
+except ImportError:  # pragma: no cover - a jax without it: MIN_COMPILE_SECS throughout
+  _min_compile_secs = None
 
 ENV_VAR = "DPMM_JAX_COMPILATION_CACHE"
 MIN_COMPILE_SECS = 0.2
@@ -115,6 +124,18 @@ def disable() -> None:
   if enabled_dir():
     jax.config.update("jax_compilation_cache_dir", None)
   _enabled_dir[0] = None
+
+
+@contextlib.contextmanager
+def store_every_program():
+  """Stores every program compiled while it is open, however quickly it compiled, in the
+  cache this module enabled (thread-local; nothing changes when the user configured the
+  cache or opted out)."""
+  if _enabled_dir[0] is None or not callable(_min_compile_secs):
+    yield
+    return
+  with _min_compile_secs(0.0):
+    yield
 
 
 def _may_silence() -> bool:

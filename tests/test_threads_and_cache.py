@@ -143,6 +143,35 @@ def test_a_warm_cache_loads_without_cpp_warnings(tmp_path):
   assert run() == ""                                     # loads from it, silently
 
 
+def test_a_second_process_loads_every_program_the_public_api_compiled(tmp_path):
+  """Inside a public-API call every program goes to the cache, however fast it compiled
+  (the dozen small ones took ~0.6 s of a second process's first fit, RESULTS.md session
+  18): a second process loads all of them and compiles none. A quick program of the
+  user's own, compiled outside the library's calls, stays below the threshold and is not
+  stored."""
+  code = ("import collections, jax, numpy as np, dpmm_jax\n"
+          "ev = collections.Counter()\n"
+          "jax.monitoring.register_event_listener(lambda name, **kw: ev.update([name]))\n"
+          "rng = np.random.default_rng(0)\n"
+          "y = np.repeat(np.arange(5), 12)\n"
+          "x = (rng.normal(size=(5, 6)) * 3)[y] + rng.normal(size=(60, 6))\n"
+          "det = dpmm_jax.fit_detector(x.astype(np.float32), y, 'diag')\n"
+          "dpmm_jax.score(det, x[:7].astype(np.float32)).block_until_ready()\n"
+          "c = '/jax/compilation_cache/'\n"
+          "print(ev[c + 'compile_requests_use_cache'], ev[c + 'cache_hits'], "
+          "ev[c + 'cache_misses'])\n"
+          "jax.jit(lambda a: a * 3.0 + 1.0)(np.ones(7, np.float32)).block_until_ready()")
+  cache = tmp_path / "cache"
+  env = {compilation_cache.ENV_VAR: str(cache),
+         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": str(compilation_cache.MIN_COMPILE_SECS)}
+  requests, hits, misses = map(int, _child(env, code).split())
+  assert requests >= 5 and hits == 0 and misses == requests, (requests, hits, misses)
+  stored = [f for f in os.listdir(cache) if f.endswith("-cache")]
+  assert len(stored) == requests, stored
+  assert not [f for f in os.listdir(cache) if "lambda" in f]
+  assert list(map(int, _child(env, code).split())) == [requests, requests, 0]
+
+
 def test_the_default_cache_directory_is_per_cpu(monkeypatch, tmp_path):
   monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
   key = compilation_cache.host_key()
