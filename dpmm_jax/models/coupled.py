@@ -679,6 +679,8 @@ def _prior_mixture(params: Params):
   node_scale = params.prior_gamma[:, None] * scale_sq                # (P0, D)
   tiny = jnp.finfo(node_scale.dtype).tiny
   usable = jnp.all((node_scale >= tiny) & (df * node_scale >= tiny), -1)
+  # The last node (gamma >= 1) is kept: scales that underflow there are a problem of the
+  # data's scale, better shown as non-finite than hidden as a prior of no mass.
   usable = usable.at[-1].set(True)
   node_scale = jnp.where(usable[:, None], node_scale, node_scale[-1])
   log_w = jnp.where(usable, params.prior_log_weights, _no_mass(node_scale.dtype))
