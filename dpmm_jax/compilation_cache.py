@@ -18,14 +18,14 @@ feature flags, ``host_key()``). A CPU program is machine code for the CPU that c
 it, and jax's cache key does not include the CPU: a home directory shared by machines of
 different CPUs would otherwise hand one machine's programs to another (XLA warns "This
 could lead to execution errors such as SIGILL"). While a public-API call runs
-(``store_every_program()``), every program it compiles is stored: a fit's dozen small
-programs (statistics, checks, preprocessing; 0.03-0.7 s each to compile) cost a second
-process about half a second otherwise. Programs compiled outside those calls (your own,
-or the functional layer's called directly) are stored when they compile in at least
-``MIN_COMPILE_SECS`` (jax's default is 1 s, which would leave out most scorers), so that
-a session's many tiny eager operations do not fill the directory. ``disable()`` switches
-the cache off before the first compilation; delete the directory to clear it (jax does
-not bound its size).
+(``store_every_program()``), every program it compiles is stored: left out, a fit's
+dozen small programs (statistics, checks, preprocessing) cost a second process 0.5-0.7 s
+of its first fit (benchmarks/RESULTS.md, session 18). Programs compiled outside those
+calls (your own, or the functional layer's called directly) are stored when they compile
+in at least ``MIN_COMPILE_SECS`` (jax's default is 1 s, which would leave out most
+scorers), so that a session's many tiny eager operations do not fill the directory.
+``disable()`` switches the cache off before the first compilation; delete the directory
+to clear it (jax does not bound its size).
 
 jaxlib logs a C++ warning ("Assume version compatibility. PjRt-IFRT does not track XLA
 executable versions.") each time it loads a program from the cache, and on some CPUs

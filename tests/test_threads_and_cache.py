@@ -145,10 +145,10 @@ def test_a_warm_cache_loads_without_cpp_warnings(tmp_path):
 
 def test_a_second_process_loads_every_program_the_public_api_compiled(tmp_path):
   """Inside a public-API call every program goes to the cache, however fast it compiled
-  (the dozen small ones took ~0.6 s of a second process's first fit, RESULTS.md session
-  18): a second process loads all of them and compiles none. A quick program of the
-  user's own, compiled outside the library's calls, stays below the threshold and is not
-  stored."""
+  (the dozen small ones took 0.5-0.7 s of a second process's first fit, RESULTS.md
+  session 18): a second process loads all of them and compiles none. A quick program of
+  the user's own, compiled outside the library's calls, stays below the threshold and is
+  not stored."""
   code = ("import collections, jax, numpy as np, dpmm_jax\n"
           "ev = collections.Counter()\n"
           "jax.monitoring.register_event_listener(lambda name, **kw: ev.update([name]))\n"

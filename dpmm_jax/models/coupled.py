@@ -661,6 +661,12 @@ def scoring_orders(params: Params):
   return orders[t.level]
 
 
+def _no_mass(dtype):
+  """A log weight of no mass that keeps sums and gradients finite (an all -inf logsumexp
+  has a NaN gradient)."""
+  return jnp.asarray(-0.25 * jnp.finfo(dtype).max, dtype)
+
+
 def _prior_mixture(params: Params):
   """(df, loc (D,), scale_sq (P0, D), log_weights (P0,)): the prior predictive as a
   mixture over the prior grid's nodes.
@@ -701,12 +707,6 @@ def prior_density_is_infinite(params: Params, x):
   t = params.prior_tail
   slope = t.alpha0 + jnp.sum(jnp.where(x == t.loc, -0.5, t.half_df0), -1)
   return slope <= 0
-
-
-def _no_mass(dtype):
-  """A log weight of no mass that keeps sums and gradients finite (an all -inf logsumexp
-  has a NaN gradient)."""
-  return jnp.asarray(-0.25 * jnp.finfo(dtype).max, dtype)
 
 
 def _prior_pseudo_classes(params: Params, num_nodes: int):
@@ -750,10 +750,10 @@ def log_predictive(params: Params, x, differentiable: bool = False):
   class with a narrow posterior of gamma costs about one diagonal-model evaluation, not
   P of them. The prior is scored by the same compiled code, as pseudo-classes
   (``_prior_pseudo_classes``), so the scorer holds one copy of the branches. Classes go
-  one at a time: each takes its own branch and expansion order, which measured as fast
-  as or faster than blocks of several classes (2.0-2.7x faster at K = 200, D = 256;
-  benchmarks/RESULTS.md, session 17). The prior's density is +inf where
-  ``prior_density_is_infinite``.
+  one at a time: each takes its own branch and expansion order (forced blocks of 2-30
+  classes ran 2.6-4.6x slower at K = 30, D = 8). Together, the two changes made warm
+  scoring 2.0-2.7x faster at K = 200, D = 256 (benchmarks/RESULTS.md, session 17). The
+  prior's density is +inf where ``prior_density_is_infinite``.
 
   ``differentiable`` (static): points on the class grids are summed over all P nodes
   instead of by the series, whose loop has a value-dependent trip count that reverse-mode
