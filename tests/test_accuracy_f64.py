@@ -202,6 +202,33 @@ def test_a_class_whose_mode_lies_beyond_the_search_bound_is_scored_per_point_and
   np.testing.assert_allclose(np.asarray(class_lp)[:, 0], ref, rtol=0, atol=1e-3)
 
 
+@pytest.mark.parametrize("df0,alpha0", [(0.001, 0.03), (0.01, 0.1), (0.1, 0.3)])
+def test_wide_posteriors_of_u_are_integrated_right_on_the_per_point_path(df0, alpha0):
+  """Small nu0 and alpha0 (EM takes them to their floors when one class is far wider than
+  the rest) make the posterior of u = log gamma_k wide: Laplace sd 1.2-5.4 here, exp(a t)
+  on the left (a = alpha0 + D nu0 / 2) and doubly exponential on the right. On the old
+  window [t - 8 sd - 12 sd^2, t + 8 sd] the per-point path's 24 nodes were 0.008-0.26
+  nats off (the normaliser's 96 up to 0.014). The window now stops where Phi is linear
+  on the left (the sum continued past it exactly) and where it has fallen 40 nats on the
+  right: the per-point path (``_tail_block``, forced here for points near and far) within
+  1e-3 nats of a 20,001-node reference on u in [-700, 40]."""
+  dim, n, kappa0 = 8, 20, 0.5
+  rng = np.random.default_rng(5)
+  x0 = rng.normal(size=(n, dim))
+  hyper = coupled.Hyper(jnp.zeros(dim), jnp.ones(dim), jnp.full(dim, df0), jnp.full(dim, kappa0),
+                        jnp.asarray(alpha0, jnp.float64))
+  st = stats_lib.from_labels(jnp.asarray(x0), jnp.zeros(n, jnp.int32), 1, full=False)
+  _, width, _ = coupled.posterior_mode(hyper, st)
+  assert float(width[0]) > 1.0                                # the case under test
+  params = _params(hyper, st)
+  xt = x0.mean(0) + np.array([0.0, 0.3, 1.0, 3.0, 10.0])[:, None] * rng.normal(size=(5, dim))
+  per_point = jax.jit(coupled._tail_block, static_argnums=2)(
+      jnp.asarray(xt), params.class_tail, coupled.QuadratureOptions().tail_nodes)
+  ref = _np_log_predictive(x0, xt, np.zeros(dim), np.ones(dim), df0, kappa0, alpha0,
+                           u_range=(-700.0, 40.0))
+  np.testing.assert_allclose(np.asarray(per_point)[:, 0], ref, rtol=0, atol=1e-3)
+
+
 @pytest.mark.parametrize("dim,n,alpha0,spread", [(256, 200, 6.0, 5.0), (768, 50, 6.0, 3.0),
                                                  (64, 3, 6.0, 10.0), (2, 2, 0.5, 1.0)])
 def test_corrected_laplace_branch_matches_the_grid(dim, n, alpha0, spread):

@@ -349,6 +349,31 @@ def test_coupled_prior_grid_nodes_below_the_smallest_float_get_no_mass():
   np.testing.assert_allclose(prior_lp, ref[:, 0], rtol=0, atol=2e-4)
 
 
+def test_coupled_per_point_window_stays_where_its_exponentials_are_finite():
+  # EM can take nu0 and alpha0 to their floors (here 0.001 and 0.03, as a fit with one
+  # class 1e9 times wider than the others did). A class of unit spread under a prior
+  # scale of 1e17 then has its mode of u clipped at -30, and its normaliser's posterior
+  # of u is exp(0.034 t) wide on the left (Laplace sd ~17): the old window reached
+  # t ~ -3,600, where e^-t overflows float32, and the class constant was NaN. Every point
+  # takes the per-point path here; within 1e-3 nats of the float64 reference.
+  dim, n, var0, df0, kappa0, alpha0 = 8, 20, 1e17, 0.001, 1e-15, 0.03
+  rng = np.random.default_rng(5)
+  x0 = rng.normal(size=(n, dim)).astype(np.float32)
+  hyper = coupled.Hyper(jnp.zeros(dim), jnp.full(dim, var0), jnp.full(dim, df0),
+                        jnp.full(dim, kappa0), jnp.float32(alpha0))
+  st = stats_lib.from_labels(jnp.asarray(x0), jnp.zeros(n, jnp.int32), 1, full=False)
+  params = jax.jit(coupled.params_from_hyper)(hyper, st)
+  assert np.isfinite(np.asarray(params.class_tail.const)).all()
+  test_x = x0.mean(0) + np.array([0.0, 1.0, 3.0, 10.0])[:, None] * rng.normal(size=(4, dim))
+  test_x = test_x.astype(np.float32)
+  assert np.asarray(coupled._tilt_needs_point_grid(test_x, params.class_tail)).all()
+  class_lp, _ = jax.jit(coupled.log_predictive)(params, test_x)
+  ref = coupled_reference.log_predictive(x0.astype(np.float64), test_x.astype(np.float64),
+                                         np.zeros(dim), np.full(dim, var0), df0, kappa0,
+                                         alpha0, u_range=(-700.0, 10.0))
+  np.testing.assert_allclose(class_lp[:, 0], ref, rtol=0, atol=1e-3)
+
+
 def test_a_nan_pair_does_not_stop_the_other_pairs_mode_search():
   # The per-point path's Newton loop runs until the largest step of the block is small.
   # A pair whose step is NaN must not end it for the others (NaN > tol is False): a class

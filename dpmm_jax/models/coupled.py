@@ -277,6 +277,10 @@ class TailTerms(NamedTuple):
 
 _TAIL_HALF_WIDTH = 8.0      # right half-width of the per-point window (Laplace sds)
 _TAIL_LEFT_EXTRA = 12.0     # extra left width, times sigma^2 (heavy exp(a t) left tail)
+# Where a wide posterior of u cuts the per-point window short (``_window``):
+_TAIL_BOUND = 80.0          # |t| at most this: e^80 = 5.5e34 is finite in float32
+_LINEAR_TAIL_TOL = 1e-6     # left: Phi's slope within this of its limit past the end
+_TAIL_DROP = 40.0           # right: Phi this far below its mode past the end
 _TAIL_TOL = 1e-3            # Newton stops when a step is below this many Laplace sds
 _TAIL_MAX_ITER = 60
 # A point is scored on the class grid when its tilt moves the posterior of u by at most
@@ -339,6 +343,55 @@ def _tilted_third_fourth(t, terms: TailTerms, w, half_df):
   return f3, f4
 
 
+def _window(t, sigma, f_mode, terms: TailTerms, w, half_df):
+  """(lo, hi, lo cut, hi cut): the per-point grid's ends (...), and whether each was
+  pulled in from the default window [t - 8 sigma - 12 sigma^2, t + 8 sigma] (t the mode,
+  sigma the Laplace sd; ``_linear_tail`` then continues the sum past it). Not
+  differentiated: the integral does not depend on where its nodes lie.
+
+  The default suits a posterior of u close to Gaussian. A wide one (sigma of 1 or more,
+  e.g. EM's nu0 and alpha0 near 0) is exp(a t) on the left and falls doubly
+  exponentially on the right, and on that window 24 nodes lay 0.2-0.3 nats off at
+  sigma = 5. So:
+  - left: no further than where Phi is linear to a relative slope error of
+    _LINEAR_TAIL_TOL. |Phi''(t)| <= e^t B with B = alpha_em + sum_d c_d q_d / (p_d + w_d)
+    (each term of Phi'' is c q e^t (p + w) / den^2, den >= p + w) and Phi' tends to
+    a = alpha0 + sum nu0/2, so Phi' is within tol a of a left of log(tol a / B);
+  - right: where concavity keeps Phi _TAIL_DROP below its mode, given its fall over the
+    first two sds (the Gaussian's 8 sigma when it falls no faster);
+  - both within |t| <= _TAIL_BOUND, where e^t and e^-t are finite: the integrand
+    multiplies them by p and w, which may be 0, and 0 * inf is NaN.
+  """
+  t, sigma, f_mode = jax.lax.stop_gradient((t, sigma, f_mode))
+  wanted_lo = t - (_TAIL_HALF_WIDTH * sigma + _TAIL_LEFT_EXTRA * sigma * sigma)
+  wanted_hi = t + _TAIL_HALF_WIDTH * sigma
+  slope = terms.alpha0 + jnp.sum(jnp.broadcast_to(terms.half_df0, w.shape), -1)
+  curv = terms.alpha_em + jnp.sum(half_df * terms.q / (terms.p + w), -1)
+  linear = jnp.log(_LINEAR_TAIL_TOL * slope) - jnp.log(curv)
+  lo = jnp.maximum(wanted_lo, jnp.maximum(jnp.minimum(linear, t - _TAIL_HALF_WIDTH * sigma),
+                                          -_TAIL_BOUND))
+  probe = t + 2.0 * sigma
+  fall = jnp.maximum(f_mode - _tilted_log_integrand(probe, terms, w, half_df)[0], 1.0)
+  hi = jnp.minimum(jnp.minimum(wanted_hi, probe + 2.0 * sigma * jnp.maximum(_TAIL_DROP / fall - 1.0, 0.0)),
+                   _TAIL_BOUND)
+  return lo, hi, lo > wanted_lo, hi < wanted_hi
+
+
+def _linear_tail(end, capped, direction: float, step, terms: TailTerms, w, half_df):
+  """(...) log of the grid's node sum continued past a cut ``end`` of the window, with
+  Phi linear there: sum_{i >= 1} step e^(Phi(end) - i g step) = e^Phi(end) step /
+  expm1(g step), g = ``direction`` Phi'(end) > 0 (``direction`` +1 at the left end, -1 at
+  the right). On the left Phi is linear there (its slope alpha0 + sum nu0/2 to
+  _LINEAR_TAIL_TOL; ``_window``); Phi is concave, so on the right this bounds the tail
+  (below e^-_TAIL_DROP of the peak) from above. -inf where the end was not cut."""
+  f, grad, _ = _tilted_log_integrand(end, terms, w, half_df)
+  slope = direction * grad
+  use = capped & (slope > 0)
+  slope = jnp.where(use, slope, 1.0)     # keeps NaN out of the unused branch's gradient
+  tail = f + jnp.log(step) - jnp.log(jnp.expm1(slope * step))
+  return jnp.where(use, tail, -jnp.inf)
+
+
 def _laplace_log_integral(terms: TailTerms, w, half_df, num_nodes: int,
                           laplace_tol: Optional[float] = None):
   """log int exp(Phi(t)) dt (less const) by Newton to the mode, then a Laplace grid.
@@ -390,8 +443,8 @@ def _laplace_log_integral(terms: TailTerms, w, half_df, num_nodes: int,
   sigma = 1.0 / jnp.sqrt(curv)
 
   def grid():
-    lo = t - (_TAIL_HALF_WIDTH * sigma + _TAIL_LEFT_EXTRA * sigma * sigma)
-    step = (_TAIL_HALF_WIDTH * sigma + t - lo) / (num_nodes - 1)
+    lo, hi, lo_cut, hi_cut = _window(t, sigma, f_mode, fixed_terms, fixed_w, fixed_half_df)
+    step = (hi - lo) / (num_nodes - 1)
 
     def node(i, acc):
       f, _, _ = _tilted_log_integrand(lo + i * step, terms, w, half_df)
@@ -399,7 +452,10 @@ def _laplace_log_integral(terms: TailTerms, w, half_df, num_nodes: int,
 
     vals = jax.lax.fori_loop(0, num_nodes, node,
                              jnp.zeros(t.shape + (num_nodes,), t.dtype) + t[..., None] * 0)
-    return jax.nn.logsumexp(vals, -1) + jnp.log(step)
+    on_grid = jax.nn.logsumexp(vals, -1) + jnp.log(step)
+    beyond = jnp.logaddexp(_linear_tail(lo, lo_cut, 1.0, step, terms, w, half_df),
+                           _linear_tail(hi, hi_cut, -1.0, step, terms, w, half_df))
+    return jnp.where(jnp.isfinite(beyond), jnp.logaddexp(on_grid, beyond), on_grid)
 
   if laplace_tol is None:
     return grid(), converged
