@@ -23,6 +23,10 @@ from dpmm_jax import synthetic
 from dpmm_jax.models import coupled, diag, full, mahalanobis, tied
 
 ATOL = 2e-3
+# Jitted: called eagerly, these run op by op and compile every operation on first use.
+_FULL_PARAMS = jax.jit(full.params_from_hyper)
+_DIAG_PARAMS = jax.jit(diag.params_from_hyper)
+_LOG_PREDICTIVE = {full: jax.jit(full.log_predictive), diag: jax.jit(diag.log_predictive)}
 K, D = 5, 3
 
 
@@ -166,8 +170,8 @@ def test_full_log_predictive_is_scipy_multivariate_t(df_excess, kappa0):
   x, y, xt = _data(seed=2)
   st = stats_lib.from_labels(x, y, K)
   df0 = D + 1 + df_excess
-  p = full.params_from_hyper(_full_hyper(st, df0, kappa0), st)
-  class_lp, prior_lp = full.log_predictive(p, xt)
+  p = _FULL_PARAMS(_full_hyper(st, df0, kappa0), st)
+  class_lp, prior_lp = _LOG_PREDICTIVE[full](p, xt)
   n, mean, scatter = _np_class_stats(x, y, K)
   x64 = x.astype(np.float64)
   mu0, sigma0 = x64.mean(0), scatter.sum(0) / len(x)
@@ -222,8 +226,8 @@ def test_diag_log_predictive_is_scipy_product_of_t(df0):
   x, y, xt = _data(seed=3)
   st = stats_lib.from_labels(x, y, K, full=False)
   kappa0 = np.array([0.01, 0.3, 5.0])
-  class_lp, prior_lp = diag.log_predictive(
-      diag.params_from_hyper(_diag_hyper(st, df0, kappa0), st), xt)
+  class_lp, prior_lp = _LOG_PREDICTIVE[diag](
+      _DIAG_PARAMS(_diag_hyper(st, df0, kappa0), st), xt)
   ref_class, ref_prior = _scipy_diag_predictive(x, y, xt, df0, kappa0)
   np.testing.assert_allclose(class_lp, ref_class, atol=ATOL, rtol=1e-4)
   np.testing.assert_allclose(prior_lp, ref_prior, atol=ATOL, rtol=1e-4)
@@ -295,7 +299,7 @@ def _gaps_to_tied(model, params_at, tied_params, x_test, inliers):
   gaps, rhos = [], []
   for df in (30.0, 1e3, 1e6):
     p = params_at(df)
-    m_class, m_prior = model.log_predictive(p, x_test)
+    m_class, m_prior = _LOG_PREDICTIVE[model](p, x_test)
     m_score = scores_lib.dpmm_score(p.log_counts, m_class, m_prior)
     gaps.append(max(np.max(np.abs(np.asarray(m_score - t_score)[inliers])),
                     np.max(np.abs(np.asarray(m_prior - t_prior)[inliers]))))
@@ -310,7 +314,7 @@ def test_full_model_tends_to_tied_model_as_nu0_grows():
   tp = tied.fit(st, prior_scale="total")   # the hierarchical models' limit: Sigma0/kappa0 = total
   kappa0 = 1.0 / (1.0 + spread ** 2)
   gaps, rhos = _gaps_to_tied(
-      full, lambda df: full.params_from_hyper(_full_hyper(st, df, kappa0), st), tp, xt,
+      full, lambda df: _FULL_PARAMS(_full_hyper(st, df, kappa0), st), tp, xt,
       inliers=slice(0, 40))
   # Student-t -> Gaussian: log St - log N ~ (maha^2 - 2 (D + 2) maha + D (D + 2)) / (4 nu)
   # shrinks like 1/nu0. For an inlier the score is dominated by its own class and the
@@ -335,7 +339,7 @@ def test_diag_model_tends_to_tied_model_in_preprocessed_space():
   tp = tied.fit(st, prior_scale="total")   # the hierarchical models' limit: Sigma0/kappa0 = total
   s0 = stats_lib.pooled_variance(st)
   gaps, rhos = _gaps_to_tied(
-      diag, lambda df: diag.params_from_hyper(
+      diag, lambda df: _DIAG_PARAMS(
           _diag_hyper(st, df, 1.0)._replace(mean_concentration=s0), st), tp, zt,
       inliers=slice(0, 20))
   # The gap shrinks like 1/nu0 (float64: 3.7, 0.31, 3.4e-4 nats).
@@ -356,8 +360,8 @@ def test_full_ranking_approaches_tied_ranking_on_generic_data():
   hyper, _ = full.fit_hyper(st)
   rhos = []
   for df in (D + 2.0, 100.0, 1e6):
-    p = full.params_from_hyper(hyper._replace(df=jnp.asarray(df, jnp.float32)), st)
-    rhos.append(_spearman(scores_lib.dpmm_score(p.log_counts, *full.log_predictive(p, xt)),
+    p = _FULL_PARAMS(hyper._replace(df=jnp.asarray(df, jnp.float32)), st)
+    rhos.append(_spearman(scores_lib.dpmm_score(p.log_counts, *_LOG_PREDICTIVE[full](p, xt)),
                           t_score))
   assert rhos[0] < rhos[1] < rhos[2], rhos
   assert rhos[2] > 0.95, rhos

@@ -274,6 +274,12 @@ def test_diag_scoring_matches_float64_including_huge_df():
 
 
 # ------------------------------------------------------------------------ coupled
+# Jitted once per shape: called eagerly, each runs op by op and compiles every operation
+# (a test of three such calls spent ~15 s in compilation).
+_coupled_params = jax.jit(coupled.params_from_hyper)
+_coupled_log_predictive = jax.jit(coupled.log_predictive)
+
+
 def _coupled_stats(seed, num_classes, dim, per_class):
   rng = np.random.default_rng(seed)
   n = num_classes * per_class
@@ -321,7 +327,7 @@ def test_coupled_prior_on_its_grid_matches_the_sum_over_its_nodes():
   assert on_grid.sum() >= 16, on_grid.sum()
   test_x = test_x[on_grid]
   assert params.prior_log_weights.shape[0] % params.class_scale_sq.shape[1] != 0  # a padded chunk
-  _, prior_lp = coupled.log_predictive(params, test_x)
+  _, prior_lp = _coupled_log_predictive(params, test_x)
   ref = _node_sum_reference(test_x, *(v[None] for v in coupled._prior_mixture(params)))
   np.testing.assert_allclose(prior_lp, ref[:, 0], rtol=0, atol=2e-4)
 
@@ -333,7 +339,7 @@ def test_coupled_prior_grid_nodes_below_the_smallest_float_get_no_mass():
   # over every node (which gives those nodes their negligible mass).
   _, _, st = _coupled_stats(5, 4, 6, 10)
   fitted, _ = coupled.fit(st)
-  params = coupled.params_from_hyper(fitted.hyper._replace(gamma_shape=jnp.float32(0.2)), st)
+  params = _coupled_params(fitted.hyper._replace(gamma_shape=jnp.float32(0.2)), st)
   assert np.sum(np.asarray(params.prior_gamma) == 0) >= 3     # the case under test
   h = params.hyper
   grid = quadrature.gamma_prior_grid(h.gamma_shape, coupled.QuadratureOptions().prior_nodes)
@@ -343,7 +349,7 @@ def test_coupled_prior_grid_nodes_below_the_smallest_float_get_no_mass():
   rng = np.random.default_rng(5)
   test_x = (np.asarray(h.loc) + 3.0 * rng.normal(size=(64, 6)) * np.sqrt(np.asarray(h.var)))
   test_x = test_x.astype(np.float32)
-  _, prior_lp = coupled.log_predictive_exact(params, test_x)
+  _, prior_lp = jax.jit(coupled.log_predictive_exact)(params, test_x)
   ref = _node_sum_reference(test_x, np.broadcast_to(df, loc.shape)[None], loc[None],
                             node_scale[None], params.prior_log_weights[None])
   np.testing.assert_allclose(prior_lp, ref[:, 0], rtol=0, atol=2e-4)
@@ -362,12 +368,12 @@ def test_coupled_per_point_window_stays_where_its_exponentials_are_finite():
   hyper = coupled.Hyper(jnp.zeros(dim), jnp.full(dim, var0), jnp.full(dim, df0),
                         jnp.full(dim, kappa0), jnp.float32(alpha0))
   st = stats_lib.from_labels(jnp.asarray(x0), jnp.zeros(n, jnp.int32), 1, full=False)
-  params = jax.jit(coupled.params_from_hyper)(hyper, st)
+  params = _coupled_params(hyper, st)
   assert np.isfinite(np.asarray(params.class_tail.const)).all()
   test_x = x0.mean(0) + np.array([0.0, 1.0, 3.0, 10.0])[:, None] * rng.normal(size=(4, dim))
   test_x = test_x.astype(np.float32)
   assert np.asarray(coupled._tilt_needs_point_grid(test_x, params.class_tail)).all()
-  class_lp, _ = jax.jit(coupled.log_predictive)(params, test_x)
+  class_lp, _ = _coupled_log_predictive(params, test_x)
   ref = coupled_reference.log_predictive(x0.astype(np.float64), test_x.astype(np.float64),
                                          np.zeros(dim), np.full(dim, var0), df0, kappa0,
                                          alpha0, u_range=(-700.0, 10.0))
@@ -403,7 +409,7 @@ def test_coupled_narrow_posteriors_use_few_terms_and_keep_accuracy():
   rng = np.random.default_rng(14)
   test_x = np.concatenate([x[rng.integers(0, len(x), 60)], 1.5 * rng.normal(size=(20, 64)),
                            6.0 * rng.normal(size=(10, 64))]).astype(np.float32)
-  class_lp, prior_lp = map(np.asarray, coupled.log_predictive(params, test_x))
+  class_lp, prior_lp = map(np.asarray, _coupled_log_predictive(params, test_x))
   # float64 references: 20,001 nodes in u = log gamma (tests/coupled_reference.py).
   hyper = [np.asarray(v, np.float64) for v in params.hyper]
   x64, y = np.asarray(x, np.float64), np.asarray(y)
@@ -417,10 +423,10 @@ def test_coupled_narrow_posteriors_use_few_terms_and_keep_accuracy():
 def test_coupled_wide_posteriors_fall_back_to_all_nodes():
   # 24 observations per class and a vague prior on gamma (alpha0 = 1): wide posteriors.
   x, y, st = _coupled_stats(15, 5, 4, 6)
-  params = coupled.params_from_hyper(coupled.init_hyper(st, gamma_shape=1.0), st)
+  params = _coupled_params(coupled.init_hyper(st, gamma_shape=1.0), st)
   assert np.all(np.asarray(coupled.scoring_orders(params)) == -1)
   test_x = x[:25] * 1.2
-  np.testing.assert_allclose(coupled.log_predictive(params, test_x)[0],
+  np.testing.assert_allclose(_coupled_log_predictive(params, test_x)[0],
                              _mixture_reference(params, test_x), rtol=1e-5, atol=1e-3)
 
 
