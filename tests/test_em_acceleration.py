@@ -28,13 +28,15 @@ def _stats(seed, nu0, per_class, full_stats):
   return stats_lib.from_labels(ds.x_train, ds.y_train, K, full=full_stats)
 
 
+# Jitted: called eagerly, each runs op by op and compiles every operation.
+_LOG_MARGINAL_TERMS = {"full": jax.jit(lambda hyper, st: full._class_terms(hyper, st)[2]),
+                       "diag": jax.jit(diag.log_marginal_terms),
+                       "coupled": jax.jit(coupled.log_marginal_terms)}
+
+
 def _magnitude(name, params, st):
   """sum |terms| of the fitted log marginal likelihood (em.run's round-off scale)."""
-  hyper = params.hyper
-  terms = {"full": lambda: full._class_terms(hyper, st)[2],
-           "diag": lambda: diag.log_marginal_terms(hyper, st),
-           "coupled": lambda: coupled.log_marginal_terms(hyper, st)}[name]()
-  return float(jnp.sum(jnp.abs(terms)))
+  return float(jnp.sum(jnp.abs(_LOG_MARGINAL_TERMS[name](params.hyper, st))))
 
 
 def _checked(info, magnitude, max_iter=100, tol=TOL):
