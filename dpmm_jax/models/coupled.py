@@ -254,7 +254,8 @@ class TailTerms(NamedTuple):
   (the class posterior's normaliser). Phi is concave (Phi'' < 0 term by term), so a
   damped Newton iteration finds its mode and a grid of ``tail_nodes`` points around it
   (Laplace width sigma; window [-(8 sigma + 12 sigma^2), 8 sigma], which covers the
-  exp(a t) left and doubly exponential right tails) integrates it. The prior predictive is
+  exp(a t) left and doubly exponential right tails; ``_window`` cuts it short for a wide
+  posterior) integrates it. The prior predictive is
   the same integral with N = 0 (R = 0, q = 1, m = 0).
 
   Attributes (leading axis K, or 1 for the prior):
@@ -291,7 +292,7 @@ _TILT_NARROW = 1.8
 # A class whose posterior of u has a Laplace sd above this is scored by the per-point
 # path for every point: in D = 8 the class grid was off by 6.7e-4 nats at sd 1.2 and by
 # 8.4e-3 at sd 2.7, the per-point path by 1e-4 (at sd 0.8 the grid's 1.6e-4 beats its
-# 4.2e-4; tests/test_accuracy_f64.py).
+# 4.2e-4; benchmarks/RESULTS.md, session 19).
 _WIDE_POSTERIOR = 1.0
 # A block of (point, class) pairs on the per-point path uses the corrected Laplace
 # approximation when every pair's second-order correction is below this (nats); its error
@@ -356,8 +357,8 @@ def _window(t, sigma, f_mode, terms: TailTerms, w, half_df):
 
   The default suits a posterior of u close to Gaussian. A wide one (sigma of 1 or more,
   e.g. EM's nu0 and alpha0 near 0) is exp(a t) on the left and falls doubly
-  exponentially on the right, and on that window 24 nodes lay 0.2-0.3 nats off at
-  sigma = 5. So:
+  exponentially on the right, and on that window 24 nodes were 0.26 nats off at
+  sigma = 5.4 (benchmarks/RESULTS.md, session 19). So:
   - left: no further than where Phi is linear to a relative slope error of
     _LINEAR_TAIL_TOL. |Phi''(t)| <= e^t B with B = alpha_em + sum_d c_d q_d / (p_d + w_d)
     (each term of Phi'' is c q e^t (p + w) / den^2, den >= p + w) and Phi' tends to
@@ -377,12 +378,12 @@ def _window(t, sigma, f_mode, terms: TailTerms, w, half_df):
                                           -_TAIL_BOUND))
   probe = t + 2.0 * sigma
   fall = jnp.maximum(f_mode - _tilted_log_integrand(probe, terms, w, half_df)[0], 1.0)
-  hi = jnp.minimum(jnp.minimum(wanted_hi, probe + 2.0 * sigma * jnp.maximum(_TAIL_DROP / fall - 1.0, 0.0)),
-                   _TAIL_BOUND)
+  past_probe = 2.0 * sigma * jnp.maximum(_TAIL_DROP / fall - 1.0, 0.0)
+  hi = jnp.minimum(jnp.minimum(wanted_hi, probe + past_probe), _TAIL_BOUND)
   return lo, hi, lo > wanted_lo, hi < wanted_hi
 
 
-def _linear_tail(end, capped, direction: float, step, terms: TailTerms, w, half_df):
+def _linear_tail(end, cut, direction: float, step, terms: TailTerms, w, half_df):
   """(...) log of the grid's node sum continued past a cut ``end`` of the window, with
   Phi linear there: sum_{i >= 1} step e^(Phi(end) - i g step) = e^Phi(end) step /
   expm1(g step), g = ``direction`` Phi'(end) > 0 (``direction`` +1 at the left end, -1 at
@@ -391,7 +392,7 @@ def _linear_tail(end, capped, direction: float, step, terms: TailTerms, w, half_
   (below e^-_TAIL_DROP of the peak) from above. -inf where the end was not cut."""
   f, grad, _ = _tilted_log_integrand(end, terms, w, half_df)
   slope = direction * grad
-  use = capped & (slope > 0)
+  use = cut & (slope > 0)
   slope = jnp.where(use, slope, 1.0)     # keeps NaN out of the unused branch's gradient
   tail = f + jnp.log(step) - jnp.log(jnp.expm1(slope * step))
   return jnp.where(use, tail, -jnp.inf)
@@ -830,12 +831,12 @@ def log_predictive(params: Params, x, differentiable: bool = False):
   terms = terms._replace(node_const=terms.node_const.at[:num_chunks].add(share[:, None]))
   tails = jax.tree_util.tree_map(lambda p, c: jnp.concatenate([p, c]), prior_tail,
                                  params.class_tail)
-  # On the per-point path the prior needs only its last pseudo-class (chunk 0); the
-  # others then add nothing. Reverse-mode differentiation needs a static loop start.
   # A class whose posterior of u is wide is far from Gaussian, and its class grid (13
   # nodes) is then off by up to 1e-2 nats; it is scored by the per-point path instead.
   wide = jnp.concatenate([jnp.zeros(num_chunks, bool),
                           params.class_tail.width > _WIDE_POSTERIOR])
+  # On the per-point path the prior needs only its last pseudo-class (chunk 0); the
+  # others then add nothing. Reverse-mode differentiation needs a static loop start.
   prior_far = jnp.any(_tilt_needs_point_grid(x, params.prior_tail))
   first = 0 if differentiable else jnp.where(prior_far, num_chunks - 1, 0)
   lp = blocks.map_class_blocks(
