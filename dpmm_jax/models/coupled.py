@@ -352,8 +352,8 @@ def _tilted_third_fourth(t, terms: TailTerms, w, half_df):
 def _window(t, sigma, f_mode, terms: TailTerms, w, half_df):
   """(lo, hi, lo cut, hi cut): the per-point grid's ends (...), and whether each was
   pulled in from the default window [t - 8 sigma - 12 sigma^2, t + 8 sigma] (t the mode,
-  sigma the Laplace sd; ``_linear_tail`` then continues the sum past it). Not
-  differentiated: the integral does not depend on where its nodes lie.
+  sigma the Laplace sd; ``_linear_tail`` then continues the sum past it). ``terms``,
+  ``w`` and ``half_df`` are constants here (the caller's ``stop_gradient``ed copies).
 
   The default suits a posterior of u close to Gaussian. A wide one (sigma of 1 or more,
   e.g. EM's nu0 and alpha0 near 0) is exp(a t) on the left and falls doubly
@@ -368,18 +368,22 @@ def _window(t, sigma, f_mode, terms: TailTerms, w, half_df):
   - both within |t| <= _TAIL_BOUND, where e^t and e^-t are finite: the integrand
     multiplies them by p and w, which may be 0, and 0 * inf is NaN.
   """
-  t, sigma, f_mode = jax.lax.stop_gradient((t, sigma, f_mode))
+  # The default ends move with sigma under differentiation, so the gradient is that of
+  # the value returned; the cut ends are computed from constants, so that a NaN in the
+  # derivative of a cut not taken cannot reach the gradient.
+  fixed_sigma, f_mode = jax.lax.stop_gradient((sigma, f_mode))
   wanted_lo = t - (_TAIL_HALF_WIDTH * sigma + _TAIL_LEFT_EXTRA * sigma * sigma)
   wanted_hi = t + _TAIL_HALF_WIDTH * sigma
   slope = terms.alpha0 + jnp.sum(jnp.broadcast_to(terms.half_df0, w.shape), -1)
   curv = terms.alpha_em + jnp.sum(half_df * terms.q / (terms.p + w), -1)
   linear = jnp.log(_LINEAR_TAIL_TOL * slope) - jnp.log(curv)
-  lo = jnp.maximum(wanted_lo, jnp.maximum(jnp.minimum(linear, t - _TAIL_HALF_WIDTH * sigma),
-                                          -_TAIL_BOUND))
-  probe = t + 2.0 * sigma
+  lo_cut = jnp.maximum(jnp.minimum(linear, t - _TAIL_HALF_WIDTH * fixed_sigma), -_TAIL_BOUND)
+  probe = t + 2.0 * fixed_sigma
   fall = jnp.maximum(f_mode - _tilted_log_integrand(probe, terms, w, half_df)[0], 1.0)
-  past_probe = 2.0 * sigma * jnp.maximum(_TAIL_DROP / fall - 1.0, 0.0)
-  hi = jnp.minimum(jnp.minimum(wanted_hi, probe + past_probe), _TAIL_BOUND)
+  past_probe = 2.0 * fixed_sigma * jnp.maximum(_TAIL_DROP / fall - 1.0, 0.0)
+  hi_cut = jnp.minimum(probe + past_probe, _TAIL_BOUND)
+  lo = jnp.maximum(wanted_lo, lo_cut)
+  hi = jnp.minimum(wanted_hi, hi_cut)
   return lo, hi, lo > wanted_lo, hi < wanted_hi
 
 
@@ -394,7 +398,9 @@ def _linear_tail(end, cut, direction: float, step, terms: TailTerms, w, half_df)
   slope = direction * grad
   use = cut & (slope > 0)
   slope = jnp.where(use, slope, 1.0)     # keeps NaN out of the unused branch's gradient
-  tail = f + jnp.log(step) - jnp.log(jnp.expm1(slope * step))
+  # log expm1(s) as s + log(-expm1(-s)): no overflow, and a finite gradient, at large s.
+  s = slope * step
+  tail = f + jnp.log(step) - s - jnp.log(-jnp.expm1(-s))
   return jnp.where(use, tail, -jnp.inf)
 
 
