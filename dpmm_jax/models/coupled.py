@@ -352,7 +352,7 @@ def _tilted_third_fourth(t, terms: TailTerms, w, half_df):
 def _window(t, sigma, f_mode, terms: TailTerms, w, half_df):
   """(lo, hi, lo cut, hi cut): the per-point grid's ends (...), and whether each was
   pulled in from the default window [t - 8 sigma - 12 sigma^2, t + 8 sigma] (t the mode,
-  sigma the Laplace sd; ``_linear_tail`` then continues the sum past it). ``terms``,
+  sigma the Laplace sd; ``_geometric_tail`` then continues the sum past it). ``terms``,
   ``w`` and ``half_df`` are constants here (the caller's ``stop_gradient``ed copies).
 
   The default suits a posterior of u close to Gaussian. A wide one (sigma of 1 or more,
@@ -387,20 +387,21 @@ def _window(t, sigma, f_mode, terms: TailTerms, w, half_df):
   return lo, hi, lo > wanted_lo, hi < wanted_hi
 
 
-def _linear_tail(end, cut, direction: float, step, terms: TailTerms, w, half_df):
-  """(...) log of the grid's node sum continued past a cut ``end`` of the window, with
-  Phi linear there: sum_{i >= 1} step e^(Phi(end) - i g step) = e^Phi(end) step /
-  expm1(g step), g = ``direction`` Phi'(end) > 0 (``direction`` +1 at the left end, -1 at
-  the right). On the left Phi is linear there (its slope alpha0 + sum nu0/2 to
-  _LINEAR_TAIL_TOL; ``_window``); Phi is concave, so on the right this bounds the tail
-  (below e^-_TAIL_DROP of the peak) from above. -inf where the end was not cut."""
-  f, grad, _ = _tilted_log_integrand(end, terms, w, half_df)
-  slope = direction * grad
-  use = cut & (slope > 0)
-  slope = jnp.where(use, slope, 1.0)     # keeps NaN out of the unused branch's gradient
+def _geometric_tail(f_end, decay, cut):
+  """(...) log of the grid's node sum continued past a cut end of the window with Phi
+  linear beyond it, less log step: sum_{i >= 1} e^(Phi(end) - i decay) =
+  e^Phi(end) / expm1(decay), decay = |Phi'| step > 0. -inf where the end was not cut.
+
+  On the left Phi is linear past the end (its slope is alpha0 + sum nu0/2 to
+  _LINEAR_TAIL_TOL; ``_window``), so the decay is that limit times the step. On the right
+  it is the fall between the last two nodes: Phi is concave, so this bounds the tail
+  (below e^-_TAIL_DROP of the peak) from above. Using the nodes' values adds no
+  evaluation of the integrand to the per-point path.
+  """
+  use = cut & (decay > 0)
+  decay = jnp.where(use, decay, 1.0)     # keeps NaN out of the unused branch's gradient
   # log expm1(s) as s + log(-expm1(-s)): no overflow, and a finite gradient, at large s.
-  s = slope * step
-  tail = f + jnp.log(step) - s - jnp.log(-jnp.expm1(-s))
+  tail = f_end - decay - jnp.log(-jnp.expm1(-decay))
   return jnp.where(use, tail, -jnp.inf)
 
 
@@ -465,8 +466,11 @@ def _laplace_log_integral(terms: TailTerms, w, half_df, num_nodes: int,
     vals = jax.lax.fori_loop(0, num_nodes, node,
                              jnp.zeros(t.shape + (num_nodes,), t.dtype) + t[..., None] * 0)
     on_grid = jax.nn.logsumexp(vals, -1) + jnp.log(step)
-    beyond = jnp.logaddexp(_linear_tail(lo, lo_cut, 1.0, step, terms, w, half_df),
-                           _linear_tail(hi, hi_cut, -1.0, step, terms, w, half_df))
+    left_decay = jax.lax.stop_gradient(
+        terms.alpha0 + jnp.sum(jnp.broadcast_to(terms.half_df0, w.shape), -1)) * step
+    beyond = jnp.logaddexp(_geometric_tail(vals[..., 0], left_decay, lo_cut),
+                           _geometric_tail(vals[..., -1], vals[..., -2] - vals[..., -1],
+                                           hi_cut)) + jnp.log(step)
     return jnp.where(jnp.isfinite(beyond), jnp.logaddexp(on_grid, beyond), on_grid)
 
   if laplace_tol is None:
