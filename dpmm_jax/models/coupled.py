@@ -349,6 +349,11 @@ def _tilted_third_fourth(t, terms: TailTerms, w, half_df):
   return f3, f4
 
 
+def _left_slope(terms: TailTerms, w):
+  """(...) the limit of Phi'(t) as t -> -inf: a = alpha0 + sum_d nu0_d / 2."""
+  return terms.alpha0 + jnp.sum(jnp.broadcast_to(terms.half_df0, w.shape), -1)
+
+
 def _window(t, sigma, f_mode, terms: TailTerms, w, half_df):
   """(lo, hi, lo cut, hi cut): the per-point grid's ends (...), and whether each was
   pulled in from the default window [t - 8 sigma - 12 sigma^2, t + 8 sigma] (t the mode,
@@ -374,9 +379,8 @@ def _window(t, sigma, f_mode, terms: TailTerms, w, half_df):
   fixed_sigma, f_mode = jax.lax.stop_gradient((sigma, f_mode))
   wanted_lo = t - (_TAIL_HALF_WIDTH * sigma + _TAIL_LEFT_EXTRA * sigma * sigma)
   wanted_hi = t + _TAIL_HALF_WIDTH * sigma
-  slope = terms.alpha0 + jnp.sum(jnp.broadcast_to(terms.half_df0, w.shape), -1)
   curv = terms.alpha_em + jnp.sum(half_df * terms.q / (terms.p + w), -1)
-  linear = jnp.log(_LINEAR_TAIL_TOL * slope) - jnp.log(curv)
+  linear = jnp.log(_LINEAR_TAIL_TOL * _left_slope(terms, w)) - jnp.log(curv)
   lo_cut = jnp.maximum(jnp.minimum(linear, t - _TAIL_HALF_WIDTH * fixed_sigma), -_TAIL_BOUND)
   probe = t + 2.0 * fixed_sigma
   fall = jnp.maximum(f_mode - _tilted_log_integrand(probe, terms, w, half_df)[0], 1.0)
@@ -466,9 +470,7 @@ def _laplace_log_integral(terms: TailTerms, w, half_df, num_nodes: int,
     vals = jax.lax.fori_loop(0, num_nodes, node,
                              jnp.zeros(t.shape + (num_nodes,), t.dtype) + t[..., None] * 0)
     on_grid = jax.nn.logsumexp(vals, -1) + jnp.log(step)
-    left_decay = jax.lax.stop_gradient(
-        terms.alpha0 + jnp.sum(jnp.broadcast_to(terms.half_df0, w.shape), -1)) * step
-    beyond = jnp.logaddexp(_geometric_tail(vals[..., 0], left_decay, lo_cut),
+    beyond = jnp.logaddexp(_geometric_tail(vals[..., 0], _left_slope(terms, w) * step, lo_cut),
                            _geometric_tail(vals[..., -1], vals[..., -2] - vals[..., -1],
                                            hi_cut)) + jnp.log(step)
     return jnp.where(jnp.isfinite(beyond), jnp.logaddexp(on_grid, beyond), on_grid)
