@@ -1,4 +1,6 @@
 """Small linear-algebra building blocks shared by the models (no inverted covariances)."""
+import math
+
 import jax
 import jax.numpy as jnp
 from jax.scipy.linalg import cho_solve
@@ -73,29 +75,78 @@ def mahalanobis_sq(x, loc, white, centre=None):
 
 # Row blocks of the triangular products (more blocks skip more zeros).
 _TRIANGLE_BLOCKS = 4
-# Below this dimension the recursive inverse hands over to a triangular solve.
-_INVERSE_BASE = 128
+# The inverse's diagonal blocks are at most this size; they are inverted by forward
+# substitution, and pairs of inverted blocks are merged, level by level, up to D.
+_SUBSTITUTION_MAX = 16
 
 
 @precision.float32_matmuls
 def triangular_inverse(chol):
-  """Inverse of lower-triangular matrices (..., D, D) by recursive blocking.
+  """Inverse of lower-triangular matrices (..., D, D) in matrix products only.
 
-  inv([[A, 0], [B, C]]) = [[A^-1, 0], [-C^-1 B A^-1, C^-1]]: about D^3 / 3 multiply-adds,
-  all but the small diagonal blocks in matrix products. This inverts a Cholesky factor
-  (condition number sqrt(cond(Sigma))), never a covariance, so applying it has the
-  accuracy of a triangular solve.
+  The triangle is padded with an identity block to b 2^L rows (b <= 16 the smallest block
+  size that needs no more than L = ceil(log2(D / 16)) doublings). Its 2^L diagonal blocks
+  are inverted by forward substitution (a loop of b steps over all of them at once), then
+  pairs of neighbouring inverted blocks are merged, inv([[A, 0], [B, C]]) =
+  [[A^-1, 0], [-C^-1 B A^-1, C^-1]], one batched level at a time: about D^3 / 3
+  multiply-adds, all but the small diagonal blocks in matrix products. This inverts a
+  Cholesky factor (condition number sqrt(cond(Sigma))), never a covariance, so applying
+  it has the accuracy of a triangular solve.
+
+  No LAPACK call (``solve_triangular`` on CPU calls the OpenBLAS bundled with scipy): the
+  scorers that use it run on XLA's thread pool alone, so OpenBLAS threads that busy-wait
+  after a call cannot slow them down (``threads``), inside the user's own ``jit`` too.
   """
   dim = chol.shape[-1]
-  if dim <= _INVERSE_BASE:
-    eye = jnp.broadcast_to(jnp.eye(dim, dtype=chol.dtype), chol.shape)
-    return solve_triangular(chol, eye, lower=True)
-  half = dim // 2
-  a_inv = triangular_inverse(chol[..., :half, :half])
-  c_inv = triangular_inverse(chol[..., half:, half:])
-  lower_left = -(c_inv @ (chol[..., half:, :half] @ a_inv))
-  top = jnp.concatenate([a_inv, jnp.zeros(a_inv.shape[:-1] + (dim - half,), chol.dtype)], -1)
-  return jnp.concatenate([top, jnp.concatenate([lower_left, c_inv], -1)], -2)
+  batch = chol.shape[:-2]
+  levels = max(0, math.ceil(math.log2(dim / _SUBSTITUTION_MAX))) if dim else 0
+  size = -(-dim // (1 << levels))
+  padded = size << levels
+  if padded > dim:
+    widths = [(0, 0)] * len(batch) + [(0, padded - dim)] * 2
+    pad_eye = jnp.diag((jnp.arange(padded) >= dim).astype(chol.dtype))
+    chol = jnp.pad(chol, widths) + pad_eye
+  inv = _substitution_inverse(_diagonal_blocks(chol, 1 << levels, 0))
+  for level in range(levels):
+    pairs = 1 << (levels - level - 1)
+    inv = inv.reshape(batch + (pairs, 2) + inv.shape[-2:])
+    a_inv, c_inv = inv[..., 0, :, :], inv[..., 1, :, :]
+    lower_left = -(c_inv @ (_diagonal_blocks(chol, pairs, 1) @ a_inv))
+    top = jnp.concatenate([a_inv, jnp.zeros_like(a_inv)], -1)
+    inv = jnp.concatenate([top, jnp.concatenate([lower_left, c_inv], -1)], -2)
+  return inv[..., 0, :dim, :dim]
+
+
+def _diagonal_blocks(matrix, num: int, below: int):
+  """(..., num, s, s) blocks of (..., num s, num s) ``matrix``: the diagonal blocks
+  (``below`` = 0), or for ``below`` = 1 the block under the diagonal of each of the num
+  diagonal blocks of size 2s (rows [(2j + 1) s, (2j + 2) s), columns [2j s, (2j + 1) s))."""
+  batch, n = matrix.shape[:-2], matrix.shape[-1]
+  if below:
+    s = n // (2 * num)
+    grid = matrix.reshape(batch + (num, 2, s, num, 2, s))[..., 1, :, :, 0, :]
+  else:
+    s = n // num
+    grid = matrix.reshape(batch + (num, s, num, s))
+  return jnp.moveaxis(jnp.diagonal(grid, axis1=-4, axis2=-2), -1, -3)
+
+
+@precision.float32_matmuls
+def _substitution_inverse(tri):
+  """Inverse of small lower-triangular matrices (..., b, b) by forward substitution: row i
+  of the inverse is (e_i - tri[i, :i] inv[:i]) / tri[i, i], for all matrices at once."""
+  b = tri.shape[-1]
+  eye = jnp.eye(b, dtype=tri.dtype)
+  diag = jnp.diagonal(tri, axis1=-2, axis2=-1)
+
+  def row(i, inv):
+    tri_i = jax.lax.dynamic_index_in_dim(tri, i, axis=-2, keepdims=False)     # (..., b)
+    done = jnp.einsum("...j,...jk->...k", tri_i, inv)    # rows i.. of inv are still 0
+    new = ((jax.lax.dynamic_index_in_dim(eye, i, 0, keepdims=False) - done)
+           / jax.lax.dynamic_index_in_dim(diag, i, -1))
+    return jax.lax.dynamic_update_index_in_dim(inv, new, i, axis=-2)
+
+  return jax.lax.fori_loop(0, b, row, jnp.zeros_like(tri))
 
 
 def triangle_row_blocks(dim: int):

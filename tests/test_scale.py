@@ -226,19 +226,33 @@ def test_spectral_em_equals_blocked_em(dim, tridiagonal_from, monkeypatch):
                              rtol=2e-4)
 
 
-def test_triangular_inverse_matches_numpy():
+@pytest.mark.parametrize("dim", [1, 3, 16, 17, 300])
+def test_triangular_inverse_matches_numpy(dim):
+  # 17 and 300 pad the triangle (to 32 = 2 x 16 and 320 = 10 x 2^5 rows).
   rng = np.random.default_rng(9)
-  a = rng.normal(size=(2, 300, 300))
-  chol = np.linalg.cholesky(np.einsum("kij,klj->kil", a, a) / 300 + np.eye(300))
+  a = rng.normal(size=(2, dim, dim))
+  chol = np.linalg.cholesky(np.einsum("kij,klj->kil", a, a) / dim + np.eye(dim))
   got = linalg.triangular_inverse(jnp.asarray(chol, jnp.float32))
   np.testing.assert_allclose(np.asarray(got, np.float64) @ chol, np.broadcast_to(
-      np.eye(300), chol.shape), atol=2e-5)
-  assert np.all(np.triu(np.asarray(got[0]), 1) == 0)
+      np.eye(dim), chol.shape), atol=2e-5)
+  assert got.shape == chol.shape and np.all(np.triu(np.asarray(got[0]), 1) == 0)
+  single = linalg.triangular_inverse(jnp.asarray(chol[1], jnp.float32))   # no batch axis
+  np.testing.assert_array_equal(single, got[1])
+
+
+def test_full_scorer_calls_no_lapack_kernel():
+  """The full model's scorer runs in XLA alone: a LAPACK call (the OpenBLAS bundled with
+  scipy) leaves busy-waiting threads that halved its speed beside XLA's pool when the
+  user has not limited them (see ``threads``)."""
+  st = _full_stats(10, 3, 40, 80)
+  params, _ = full.fit(st, max_iter=2)
+  text = jax.jit(full.log_predictive).lower(params, jnp.zeros((8, 40))).as_text()
+  assert "lapack" not in text and "custom_call" not in text
 
 
 def test_full_scoring_matches_triangular_solves(monkeypatch):
-  # Recursive triangular inverse three levels deep (from D > 128 by default).
-  monkeypatch.setattr(linalg, "_INVERSE_BASE", 8)
+  # Triangular inverse from 4 x 4 blocks, four levels of doubling, 4 padding rows.
+  monkeypatch.setattr(linalg, "_SUBSTITUTION_MAX", 4)
   dim = 60
   st = _full_stats(10, 3, dim, 2 * dim)
   params, _ = full.fit(st, max_iter=5)
