@@ -621,11 +621,19 @@ def fit_detector(x, y, model: str = "coupled", **kwargs) -> "Detector":
 
 
 # ----------------------------------------------------------------------- evaluation
-def _class_and_score(det: Detector, x):
-  """(class scores (M, K), OOD score (M,)) for one chunk, in transformed space."""
+# ``score`` and the other evaluation calls invert the full model's Cholesky factors once
+# per call (``full.inverse_factors``) rather than once per chunk, when the inverses hold
+# at most this many elements (4 GiB in float32; they take as much memory as the factors).
+_ONE_INVERSE_PER_CALL_MAX_ELEMENTS = 1 << 30
+
+
+def _class_and_score(det: Detector, x, inverse=None):
+  """(class scores (M, K), OOD score (M,)) for one chunk, in transformed space.
+  ``inverse``: the full model's ``full.InverseFactors`` (None: inverted here)."""
   p = det.params
   if det.model in DPMM_MODELS:
-    class_lp, prior_lp = _MODULES[det.model].log_predictive(p, x)
+    extra = {} if inverse is None else {"inverse": inverse}
+    class_lp, prior_lp = _MODULES[det.model].log_predictive(p, x, **extra)
     class_scores = p.log_counts + class_lp
     return class_scores, jax.nn.logsumexp(class_scores, -1) - prior_lp
   if det.model == "mds":
@@ -639,11 +647,26 @@ def _class_and_score(det: Detector, x):
 
 
 @jax.jit
-def _evaluate_chunk(det: Detector, x):
+def _evaluate_chunk(det: Detector, x, inverse=None):
   if det.transform is not None:
     x = preprocess_lib.apply(det.transform, x)
-  class_scores, score = _class_and_score(det, x)
+  class_scores, score = _class_and_score(det, x, inverse)
   return class_scores, score
+
+
+_full_inverse_factors = jax.jit(full.inverse_factors)
+
+
+def _inverse_for_all_chunks(det: Detector):
+  """The full model's inverted factors for every chunk of one call, or None (other
+  models; or inverses above ``_ONE_INVERSE_PER_CALL_MAX_ELEMENTS``: then each chunk
+  inverts its blocks of classes, and only one block's inverses are held at a time)."""
+  if det.model != "full":
+    return None
+  num_classes, dim = det.params.class_pred.loc.shape
+  if num_classes * dim * dim > _ONE_INVERSE_PER_CALL_MAX_ELEMENTS:
+    return None
+  return _full_inverse_factors(det.params)
 
 
 def _check_detector(det):
@@ -662,13 +685,14 @@ def _evaluate(det: Detector, x, chunk_size: int):
   if n == 0:
     return (jnp.zeros((0, det.num_classes), dtype), jnp.zeros((0,), dtype))
   chunk_size = _chunk_rows(n, chunk_size)
+  inverse = _inverse_for_all_chunks(det)
   class_parts, score_parts = [], []
   for start in range(0, n, chunk_size):
     xc = validation.check_finite_chunk(x[start:start + chunk_size], "x", start)
     m = xc.shape[0]
     if m < chunk_size:  # pad to one shape: one compilation for all chunks
       xc = np.concatenate([xc, np.repeat(xc[-1:], chunk_size - m, axis=0)])
-    cs, s = _evaluate_chunk(det, jnp.asarray(xc, dtype))
+    cs, s = _evaluate_chunk(det, jnp.asarray(xc, dtype), inverse)
     # Cut and joined on the host: on the device each cut length and each number of
     # chunks would compile a program of its own.
     class_parts.append(np.asarray(cs)[:m])

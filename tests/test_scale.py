@@ -250,6 +250,30 @@ def test_full_scorer_calls_no_lapack_kernel():
   assert "lapack" not in text and "custom_call" not in text
 
 
+def test_full_score_inverts_the_factors_once_per_call(monkeypatch):
+  """``score`` hands every chunk the inverses from one ``full.inverse_factors`` call (an
+  inversion per chunk cost up to a third of the full model's scoring time); above the
+  memory limit each chunk inverts its own. Both give ``full.log_predictive``'s scores."""
+  dim = 24
+  x, y = _labelled(12, 4 * 3 * dim, 4, dim, offset=5.0)
+  det = api.fit_detector(x, y, model="full", preprocess=False)
+  xt = np.asarray(x[:150]) + 0.5
+  class_lp, prior_lp = full.log_predictive(det.params, jnp.asarray(xt))
+  want = np.asarray(jax.nn.logsumexp(det.params.log_counts + class_lp, -1) - prior_lp)
+  inverse = api._inverse_for_all_chunks(det)
+  assert isinstance(inverse, full.InverseFactors)
+  np.testing.assert_allclose(inverse.class_inv, linalg.triangular_inverse(
+      det.params.class_pred.chol_scale), rtol=1e-6, atol=1e-6)
+  with_inverse = full.log_predictive(det.params, jnp.asarray(xt), inverse)
+  np.testing.assert_allclose(with_inverse[0], class_lp, rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(with_inverse[1], prior_lp, rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(api.score(det, xt, chunk_size=32), want, rtol=1e-5, atol=1e-4)
+  monkeypatch.setattr(api, "_ONE_INVERSE_PER_CALL_MAX_ELEMENTS", 4 * dim * dim - 1)
+  assert api._inverse_for_all_chunks(det) is None
+  np.testing.assert_allclose(api.score(det, xt, chunk_size=32), want, rtol=1e-5, atol=1e-4)
+  assert api._inverse_for_all_chunks(api.fit_detector(x, y, model="diag")) is None
+
+
 def test_full_scoring_matches_triangular_solves(monkeypatch):
   # Triangular inverse from 4 x 4 blocks, four levels of doubling, 4 padding rows.
   monkeypatch.setattr(linalg, "_SUBSTITUTION_MAX", 4)
