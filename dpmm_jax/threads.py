@@ -1,9 +1,11 @@
 """The BLAS/LAPACK thread pools behind the library's CPU kernels.
 
 On CPU, XLA runs matrix products on its own thread pool, but jaxlib's LAPACK kernels
-(Cholesky, eigh, triangular solves: the full model's fit, spectral reduction and
-scoring) call the OpenBLAS bundled with scipy (``scipy.linalg.cython_lapack``), and the
-host-side checks (``numpy.linalg``) call numpy's OpenBLAS. By default OpenBLAS starts one
+(Cholesky, eigh, triangular solves: the full and tied fits and the spectral reduction)
+call the OpenBLAS bundled with scipy (``scipy.linalg.cython_lapack``), and the
+host-side checks (``numpy.linalg``) call numpy's OpenBLAS. The scorers call no LAPACK
+kernel (the full model's inverse factors are matrix products,
+``linalg.triangular_inverse``), so they run at the same speed with or without a limit. By default OpenBLAS starts one
 busy-waiting thread per core. Inside an XLA program those threads compete with XLA's
 pool, and with any other process: on a 2-core machine with one other CPU-bound job, a
 full-model fit at K = 200, D = 768 ran 10x slower than with ``OPENBLAS_NUM_THREADS=1``.
