@@ -77,15 +77,15 @@ def mahalanobis_sq(x, loc, white, centre=None):
 _TRIANGLE_BLOCKS = 4
 # The inverse's diagonal blocks are at most this size; they are inverted by forward
 # substitution, and pairs of inverted blocks are merged, level by level, up to D.
-_SUBSTITUTION_MAX = 16
+_SUBSTITUTION_MAX = 128
 
 
 @precision.float32_matmuls
 def triangular_inverse(chol):
   """Inverse of lower-triangular matrices (..., D, D) in matrix products only.
 
-  The triangle is padded with an identity block to b 2^L rows (b <= 16 the smallest block
-  size that needs no more than L = ceil(log2(D / 16)) doublings). Its 2^L diagonal blocks
+  The triangle is padded with an identity block to b 2^L rows (b <= 128 the smallest block
+  size that needs no more than L = ceil(log2(D / 128)) doublings). Its 2^L diagonal blocks
   are inverted by forward substitution (a loop of b steps over all of them at once), then
   pairs of neighbouring inverted blocks are merged, inv([[A, 0], [B, C]]) =
   [[A^-1, 0], [-C^-1 B A^-1, C^-1]], one batched level at a time: about D^3 / 3
@@ -120,15 +120,13 @@ def triangular_inverse(chol):
 def _diagonal_blocks(matrix, num: int, below: int):
   """(..., num, s, s) blocks of (..., num s, num s) ``matrix``: the diagonal blocks
   (``below`` = 0), or for ``below`` = 1 the block under the diagonal of each of the num
-  diagonal blocks of size 2s (rows [(2j + 1) s, (2j + 2) s), columns [2j s, (2j + 1) s))."""
-  batch, n = matrix.shape[:-2], matrix.shape[-1]
-  if below:
-    s = n // (2 * num)
-    grid = matrix.reshape(batch + (num, 2, s, num, 2, s))[..., 1, :, :, 0, :]
-  else:
-    s = n // num
-    grid = matrix.reshape(batch + (num, s, num, s))
-  return jnp.moveaxis(jnp.diagonal(grid, axis1=-4, axis2=-2), -1, -3)
+  diagonal blocks of size 2s (rows [(2j + 1) s, (2j + 2) s), columns [2j s, (2j + 1) s)).
+  Static slices (num <= 2^L is small), which compile faster than a gather."""
+  n = matrix.shape[-1]
+  s = n // (2 * num) if below else n // num
+  step = 2 * s if below else s
+  return jnp.stack([matrix[..., j * step + below * s:j * step + below * s + s,
+                           j * step:j * step + s] for j in range(num)], -3)
 
 
 @precision.float32_matmuls

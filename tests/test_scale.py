@@ -226,17 +226,22 @@ def test_spectral_em_equals_blocked_em(dim, tridiagonal_from, monkeypatch):
                              rtol=2e-4)
 
 
-@pytest.mark.parametrize("dim", [1, 3, 16, 17, 300])
+# Jitted once here: called eagerly, each operation would compile on its own.
+_TRIANGULAR_INVERSE = jax.jit(linalg.triangular_inverse)
+_FULL_LOG_PREDICTIVE = jax.jit(full.log_predictive)
+
+
+@pytest.mark.parametrize("dim", [1, 3, 129, 301])
 def test_triangular_inverse_matches_numpy(dim):
-  # 17 and 300 pad the triangle (to 32 = 2 x 16 and 320 = 10 x 2^5 rows).
+  # 129 and 301 pad the triangle (to 130 = 65 x 2 and 304 = 76 x 4 rows).
   rng = np.random.default_rng(9)
   a = rng.normal(size=(2, dim, dim))
   chol = np.linalg.cholesky(np.einsum("kij,klj->kil", a, a) / dim + np.eye(dim))
-  got = linalg.triangular_inverse(jnp.asarray(chol, jnp.float32))
+  got = _TRIANGULAR_INVERSE(jnp.asarray(chol, jnp.float32))
   np.testing.assert_allclose(np.asarray(got, np.float64) @ chol, np.broadcast_to(
       np.eye(dim), chol.shape), atol=2e-5)
   assert got.shape == chol.shape and np.all(np.triu(np.asarray(got[0]), 1) == 0)
-  single = linalg.triangular_inverse(jnp.asarray(chol[1], jnp.float32))   # no batch axis
+  single = _TRIANGULAR_INVERSE(jnp.asarray(chol[1], jnp.float32))   # no batch axis
   np.testing.assert_array_equal(single, got[1])
 
 
@@ -258,13 +263,13 @@ def test_full_score_inverts_the_factors_once_per_call(monkeypatch):
   x, y = _labelled(12, 4 * 3 * dim, 4, dim, offset=5.0)
   det = api.fit_detector(x, y, model="full", preprocess=False)
   xt = np.asarray(x[:150]) + 0.5
-  class_lp, prior_lp = full.log_predictive(det.params, jnp.asarray(xt))
+  class_lp, prior_lp = _FULL_LOG_PREDICTIVE(det.params, jnp.asarray(xt))
   want = np.asarray(jax.nn.logsumexp(det.params.log_counts + class_lp, -1) - prior_lp)
   inverse = api._inverse_for_all_chunks(det)
   assert isinstance(inverse, full.InverseFactors)
-  np.testing.assert_allclose(inverse.class_inv, linalg.triangular_inverse(
+  np.testing.assert_allclose(inverse.class_inv, _TRIANGULAR_INVERSE(
       det.params.class_pred.chol_scale), rtol=1e-6, atol=1e-6)
-  with_inverse = full.log_predictive(det.params, jnp.asarray(xt), inverse)
+  with_inverse = _FULL_LOG_PREDICTIVE(det.params, jnp.asarray(xt), inverse)
   np.testing.assert_allclose(with_inverse[0], class_lp, rtol=1e-5, atol=1e-4)
   np.testing.assert_allclose(with_inverse[1], prior_lp, rtol=1e-5, atol=1e-4)
   np.testing.assert_allclose(api.score(det, xt, chunk_size=32), want, rtol=1e-5, atol=1e-4)
@@ -282,7 +287,7 @@ def test_full_scoring_matches_triangular_solves(monkeypatch):
   params, _ = full.fit(st, max_iter=5)
   rng = np.random.default_rng(11)
   x = (5.0 + 2.0 * rng.normal(size=(40, dim))).astype(np.float32)
-  class_lp, prior_lp = full.log_predictive(params, x)
+  class_lp, prior_lp = jax.jit(full.log_predictive)(params, x)   # traced with the patch
   pred = params.class_pred
   x64 = np.asarray(x, np.float64)
   for k in range(3):
