@@ -5,10 +5,11 @@ On CPU, XLA runs matrix products on its own thread pool, but jaxlib's LAPACK ker
 call the OpenBLAS bundled with scipy (``scipy.linalg.cython_lapack``), and the
 host-side checks (``numpy.linalg``) call numpy's OpenBLAS. The scorers call no LAPACK
 kernel (the full model's inverse factors are matrix products,
-``linalg.triangular_inverse``), so they run at the same speed with or without a limit. By default OpenBLAS starts one
-busy-waiting thread per core. Inside an XLA program those threads compete with XLA's
-pool, and with any other process: on a 2-core machine with one other CPU-bound job, a
-full-model fit at K = 200, D = 768 ran 10x slower than with ``OPENBLAS_NUM_THREADS=1``.
+``linalg.triangular_inverse``), so they run at the same speed with or without a limit.
+By default OpenBLAS starts one busy-waiting thread per core. Inside an XLA program those
+threads compete with XLA's pool, and with any other process: on a 2-core machine with
+one other CPU-bound job, a full-model fit at K = 200, D = 768 ran 10x slower than with
+``OPENBLAS_NUM_THREADS=1``.
 
 So the public API (``fit_detector``, ``score``, ``class_scores``, ``predict``,
 ``outlier_probability``) runs with those pools limited to ONE thread (via

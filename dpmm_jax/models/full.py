@@ -354,8 +354,10 @@ def inverse_factors(params: Params) -> InverseFactors:
   """The factors ``log_predictive`` inverts on every call, inverted once.
 
   Scoring many chunks of points with them saves an inversion of every class's factor per
-  chunk (about D / (1.9 M) of a chunk's multiply-adds, more of its time). They take as
-  much memory as the factors; the inversion runs in blocks of classes.
+  chunk: about D / (1.9 M) of an M-row chunk's multiply-adds, but less of its time (at
+  K = 120, D = 768, M = 2048: 1.57-1.58 -> 1.36-1.39 s per chunk, against 0.41 s for the inversion
+  alone; benchmarks/RESULTS.md, session 20). They take as much memory as the factors; the
+  inversion runs in blocks of classes.
   """
   num_classes, dim = params.class_pred.loc.shape
   size = blocks.class_block_size(dim, num_classes, dim)
