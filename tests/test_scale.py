@@ -514,6 +514,15 @@ def test_benchmark_script_runs_a_tiny_grid(tmp_path):
   import re
   # End to end: fit_detectors time, then one line per model.
   assert re.search(r"\| 40 \| 3 \| 6 \| 500 \| nothing \| [0-9.]+ \| full \|", text), text
+  # The preprocessing components, and the job ratio with them (smaller than without).
+  r = rows[0]
+  assert r["pre_raw_s"] > 0 and r["pre_apply_s"] > 0 and r["pre_s"] >= r["pre_raw_s"]
+  e = r["e2e"][0]
+  comp = r["stats_s"] + sum(m["fit_s"] + m["score_s"] for m in r["models"].values())
+  line = next(l for l in text.splitlines() if "| nothing |" in l and "| full |" in l)
+  plain, with_pre = (float(v) for v in line.split("|")[12:14])
+  assert plain == float(f"{e['job_s'] / comp:.2f}"), line
+  assert with_pre == float(f"{e['job_s'] / (comp + r['pre_s']):.2f}") < plain, line
   assert "| full | 4 | 3 | 6 |" in text                            # cold start
   assert not os.listdir(tmp_path / "data")          # the feature files are removed
 
