@@ -32,6 +32,9 @@ MODELS = ("mds", "rmds", "indep_rmds", "msp", "temp_msp", "tied", "full", "diag"
 DPMM_MODELS = ("tied", "full", "diag", "coupled", "lowrank")
 # Models whose fit needs the (K, D, D) per-class scatter.
 _FULL_STATS = ("indep_rmds", "full", "lowrank")
+# Models whose fit reads no (D, D) statistic: fitted alone, their statistics pass skips the
+# pooled scatter (an (N, D) x (N, D) product), and they are always fitted without it.
+_DIAGONAL_STATS = ("diag", "coupled", "msp", "temp_msp")
 # Models whose Sigma0 is the average within-class covariance (it must be non-singular).
 _HIERARCHICAL = ("full", "diag", "coupled", "lowrank")
 # Hierarchical models with the NIW prior (full Sigma0, nu0 > D + 1): EM of ``full``.
@@ -268,8 +271,11 @@ def _check_within_class(stats, model: str, preprocessed: bool):
   count = np.asarray(stats.count, np.float64)
   total = count.sum()
   num_classes, dim = stats.num_classes, stats.dim
-  pooled = np.asarray(stats.pooled_scatter, np.float64) / total
-  within_var = np.diag(pooled)
+  if stats.pooled_scatter is not None:
+    pooled = np.asarray(stats.pooled_scatter, np.float64) / total
+    within_var = np.diag(pooled)
+  else:                     # the diagonal of the pooled scatter, summed per class
+    within_var = np.asarray(stats.sq_dev, np.float64).sum(axis=0) / total
   if not np.any(within_var > 0):
     singletons = int(np.sum(count == 1))
     which = ("every class has a single point" if singletons == num_classes else
@@ -281,7 +287,7 @@ def _check_within_class(stats, model: str, preprocessed: bool):
         "more distinct points (the MSP heads do not).")
   if model not in _HIERARCHICAL:
     return
-  rtol = linalg.default_rtol(np.asarray(stats.pooled_scatter).dtype)
+  rtol = linalg.default_rtol(np.asarray(stats.sq_dev).dtype)
   mean = np.asarray(stats.mean, np.float64)
   centred = mean - count @ mean / total
   total_var = within_var + np.einsum("k,kd->d", count, centred * centred) / total
@@ -391,10 +397,11 @@ class _Prepared(NamedTuple):
 
 
 def _prepare(x, y, *, num_classes, preprocess, num_components, chunk_size, full: bool,
-             msp: bool) -> _Prepared:
+             msp: bool, pooled: bool = True) -> _Prepared:
   """Validates the inputs and runs the statistics passes shared by every model: one pass
   for the preprocessing transform (if any), one for the transformed statistics.
-  ``msp``: the transform of the MSP heads (identical classes not de-duplicated)."""
+  ``msp``: the transform of the MSP heads (identical classes not de-duplicated).
+  ``pooled``: the transformed statistics need the pooled scatter (always with ``full``)."""
   if not isinstance(preprocess, (bool, np.bool_)):
     raise TypeError(f"preprocess must be True or False, got {preprocess!r}.")
   chunk_size = validation.positive_int(chunk_size, "chunk_size")
@@ -418,7 +425,8 @@ def _prepare(x, y, *, num_classes, preprocess, num_components, chunk_size, full:
       raw = stats_lib.as_singletons(raw, stats_lib.identical_classes(raw))
     transform = preprocess_lib.fit(raw, num_components)
   stats = stats_lib.from_chunks(_transformed_chunks(x, y, transform, chunk_size),
-                                num_classes, full=full, chunk_size=chunk_size, dtype=dtype)
+                                num_classes, full=full, chunk_size=chunk_size, dtype=dtype,
+                                pooled=pooled or full)
   validation.finite_stats(stats)
   return _Prepared(x, y, num_classes, transform, stats, np.asarray(stats.count), chunk_size,
                    bool(preprocess))
@@ -434,6 +442,9 @@ def _fit_prepared(prep: _Prepared, model: str, key, standard_errors: bool, optio
   if model not in ("msp", "temp_msp"):
     stats = _identical_classes_as_singletons(stats, model, stacklevel + 1)
     _check_within_class(stats, model, prep.preprocess)
+  if model in _DIAGONAL_STATS:
+    # One program per shape whether or not another model needed the pooled scatter.
+    stats = stats._replace(pooled_scatter=None)
   if model in _NIW_MODELS and options.get("df") is not None:
     df = options["df"]
     validation.positive(df, "df")
@@ -485,7 +496,8 @@ def _fit_with_info(x, y, model, *, num_classes, preprocess, num_components, chun
     raise TypeError(f"standard_errors must be True or False, got {standard_errors!r}.")
   prep = _prepare(x, y, num_classes=num_classes, preprocess=preprocess,
                   num_components=num_components, chunk_size=chunk_size,
-                  full=model in _FULL_STATS, msp=model in ("msp", "temp_msp"))
+                  full=model in _FULL_STATS, msp=model in ("msp", "temp_msp"),
+                  pooled=model not in _DIAGONAL_STATS)
   return _fit_prepared(prep, model, key, standard_errors, options, stacklevel=stacklevel + 2)
 
 
@@ -557,9 +569,10 @@ def fit_detectors_with_info(x, y, models=DPMM_MODELS + ("rmds",), *, num_classes
   gaussian = [m for m in models if m not in ("msp", "temp_msp")]
   if gaussian:
     prepared[False] = _prepare(x, y, full=any(m in _FULL_STATS for m in gaussian),
-                               msp=False, **common)
+                               msp=False, pooled=any(m not in _DIAGONAL_STATS
+                                                     for m in gaussian), **common)
   if len(gaussian) < len(models):
-    prepared[True] = _prepare(x, y, full=False, msp=True, **common)
+    prepared[True] = _prepare(x, y, full=False, msp=True, pooled=False, **common)
   fitted = {}
   # The models that need the (K, D, D) scatter go first; it is then released (2.4 GB at
   # K = 1000, D = 768) before the others are fitted.

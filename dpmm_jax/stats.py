@@ -43,13 +43,15 @@ class SufficientStats(NamedTuple):
     sq_dev: (K, D) per-class sums of squared deviations from the class mean.
     scatter: (K, D, D) per-class centred scatter sum_n (x_n - m_k)(x_n - m_k)^T, or None
       when only diagonal statistics were requested (saves K D^2 memory).
-    pooled_scatter: (D, D) within-class scatter summed over classes.
+    pooled_scatter: (D, D) within-class scatter summed over classes, or None when it was
+      not requested (``pooled=False``: the diagonal models need only ``sq_dev``, whose
+      sum over classes is its diagonal; skipping it saves an (N, D) x (N, D) product).
   """
   count: jax.Array
   mean: jax.Array
   sq_dev: jax.Array
   scatter: Optional[jax.Array]
-  pooled_scatter: jax.Array
+  pooled_scatter: Optional[jax.Array]
 
   @property
   def num_classes(self) -> int:
@@ -69,12 +71,18 @@ def _segment_sum(values, labels, num_classes):
 _MIN_WINDOW = 8
 
 
-def empty(num_classes: int, dim: int, full: bool = True, dtype=jnp.float32) -> SufficientStats:
-  """Statistics of no data (the identity of ``merge`` and the start of ``update``)."""
+def empty(num_classes: int, dim: int, full: bool = True, dtype=jnp.float32,
+          pooled: bool = True) -> SufficientStats:
+  """Statistics of no data (the identity of ``merge`` and the start of ``update``).
+  ``pooled=False`` (only with ``full=False``): no ``pooled_scatter`` is accumulated."""
+  if full and not pooled:
+    raise ValueError("pooled=False needs full=False (the per-class scatter gives the "
+                     "pooled one at no cost).")
   zeros = functools.partial(jnp.zeros, dtype=dtype)
   return SufficientStats(zeros((num_classes,)), zeros((num_classes, dim)),
                          zeros((num_classes, dim)),
-                         zeros((num_classes, dim, dim)) if full else None, zeros((dim, dim)))
+                         zeros((num_classes, dim, dim)) if full else None,
+                         zeros((dim, dim)) if pooled else None)
 
 
 def _window_sizes(block_size: int):
@@ -190,7 +198,8 @@ def _update(stats: SufficientStats, x, y, block_size: int, axis_name=None):
   a = jnp.where(valid[:, None], x - ref_old[safe_key], 0.0)
   c = x - mean[safe_key]
   sq_dev = stats.sq_dev + _segment_sum(a * c, key, num_classes)
-  return SufficientStats(count, mean, sq_dev, None, stats.pooled_scatter + a.T @ c)
+  pooled = None if stats.pooled_scatter is None else stats.pooled_scatter + a.T @ c
+  return SufficientStats(count, mean, sq_dev, None, pooled)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size",))
@@ -222,7 +231,9 @@ def finalize(stats: SufficientStats) -> SufficientStats:
       block = jax.lax.dynamic_index_in_dim(acc, k, keepdims=False)
       return jax.lax.dynamic_update_index_in_dim(acc, 0.5 * (block + block.T), k, 0)
     scatter = jax.lax.fori_loop(0, stats.num_classes, one_class, stats.scatter)
-  pooled = 0.5 * (stats.pooled_scatter + stats.pooled_scatter.T)
+  pooled = stats.pooled_scatter
+  if pooled is not None:
+    pooled = 0.5 * (pooled + pooled.T)
   return stats._replace(scatter=scatter, pooled_scatter=pooled)
 
 
@@ -254,7 +265,7 @@ _from_labels_jit = from_labels
 _update_jit = jax.jit(_update, static_argnames=("block_size", "axis_name"), donate_argnums=(0,))
 _finalize_jit = jax.jit(finalize, donate_argnums=(0,))
 # One compiled program instead of one per zeros array (eager jnp.zeros compiles each).
-_empty_jit = jax.jit(empty, static_argnums=(0, 1, 2, 3))
+_empty_jit = jax.jit(empty, static_argnums=(0, 1, 2, 3, 4))
 
 
 @precision.float32_matmuls
@@ -304,7 +315,8 @@ def merge(a: SufficientStats, b: SufficientStats) -> SufficientStats:
   """Exact statistics of the union of two disjoint data sets (Chan et al. 1979).
 
   Args:
-    a, b: statistics with the same K and D (both with or both without ``scatter``).
+    a, b: statistics with the same K and D (``scatter`` and ``pooled_scatter`` are kept
+      where both have them).
   Returns:
     SufficientStats of the concatenated data.
   """
@@ -314,7 +326,9 @@ def merge(a: SufficientStats, b: SufficientStats) -> SufficientStats:
   mean = a.mean + delta * (b.count / safe_n)[:, None]
   weight = a.count * b.count / safe_n                         # (K,)
   sq_dev = a.sq_dev + b.sq_dev + weight[:, None] * delta * delta
-  pooled = a.pooled_scatter + b.pooled_scatter + (delta * weight[:, None]).T @ delta
+  pooled = None
+  if a.pooled_scatter is not None and b.pooled_scatter is not None:
+    pooled = a.pooled_scatter + b.pooled_scatter + (delta * weight[:, None]).T @ delta
   scatter = None
   if a.scatter is not None and b.scatter is not None:
     scatter = (a.scatter + b.scatter
@@ -371,7 +385,7 @@ def _pad_chunk(xs, ys, rows: int):
 
 def from_chunks(chunks: Iterable[Tuple[np.ndarray, np.ndarray]], num_classes: int,
                 full: bool = True, chunk_size: Optional[int] = None,
-                dtype=None, block_size: int = 128) -> SufficientStats:
+                dtype=None, block_size: int = 128, pooled: bool = True) -> SufficientStats:
   """Streams statistics over (x, y) chunks; pads chunks to one shape (one compilation).
 
   The running statistics are updated in place (``update`` with donated buffers), so the
@@ -383,6 +397,7 @@ def from_chunks(chunks: Iterable[Tuple[np.ndarray, np.ndarray]], num_classes: in
       integer labels in range, finite features; errors name the global row).
     num_classes: K.
     full: accumulate per-class full scatter.
+    pooled: accumulate the (D, D) ``pooled_scatter`` (False only with ``full=False``).
     chunk_size: pad every chunk to this many rows so that a single compilation serves
       all chunks (defaults to the first chunk's size).
     dtype: accumulation dtype (defaults to the first chunk's float dtype).
@@ -401,7 +416,7 @@ def from_chunks(chunks: Iterable[Tuple[np.ndarray, np.ndarray]], num_classes: in
     if chunk_size is None:
       chunk_size = xc.shape[0]
     if total is None:
-      total = _empty_jit(num_classes, xc.shape[1], full, np.dtype(dtype))
+      total = _empty_jit(num_classes, xc.shape[1], full, np.dtype(dtype), pooled)
     for start in range(0, xc.shape[0], chunk_size):
       xs, ys = _pad_chunk(xc[start:start + chunk_size],
                           np.asarray(yc[start:start + chunk_size]), chunk_size)

@@ -317,16 +317,23 @@ def test_fit_detectors_reads_the_data_twice(monkeypatch):
   original = stats_lib.from_chunks
 
   def counting(*args, **kwargs):
-    calls.append(kwargs.get("full"))
+    calls.append((kwargs.get("full"), kwargs.get("pooled", True)))
     return original(*args, **kwargs)
 
   monkeypatch.setattr(stats_lib, "from_chunks", counting)
   reports = dpmm_jax.fit_detectors_with_info(x, y, dpmm_jax.DPMM_MODELS + ("rmds",))
-  assert calls == [False, True]          # the full scatter once, for the full model
+  # The full scatter once, for the full model.
+  assert calls == [(False, True), (True, True)]
   assert all(isinstance(r, dpmm_jax.FitReport) for _, r in reports.values())
   calls.clear()
   dpmm_jax.fit_detectors(x, y, ("diag", "coupled"))
-  assert calls == [False, False]         # no model needs the (K, D, D) scatter
+  # No model needs the (K, D, D) scatter, nor the (D, D) pooled one after the transform.
+  assert calls == [(False, True), (False, False)]
+  for model, pooled in (("coupled", False), ("diag", False), ("tied", True),
+                        ("rmds", True)):
+    calls.clear()
+    dpmm_jax.fit_detector(x, y, model)
+    assert calls == [(False, True), (False, pooled)], model
 
 
 def test_fit_detectors_per_model_options_and_errors():

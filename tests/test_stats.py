@@ -122,6 +122,24 @@ def test_merge_without_full_scatter_keeps_none():
   assert stats_lib.merge(a, b).scatter is None
 
 
+def test_statistics_without_the_pooled_scatter():
+  """pooled=False skips only the (D, D) pooled scatter: the rest is what a pass with it
+  computes, its diagonal is the classes' summed sq_dev, and merge keeps it absent."""
+  x, y = _data(seed=5, n=700)
+  chunks = [(x[:300], y[:300]), (x[300:], y[300:])]
+  with_pooled = stats_lib.from_chunks(chunks, K, full=False, chunk_size=128)
+  without = stats_lib.from_chunks(chunks, K, full=False, chunk_size=128, pooled=False)
+  assert without.pooled_scatter is None and without.scatter is None
+  for field in ("count", "mean", "sq_dev"):
+    np.testing.assert_array_equal(getattr(without, field), getattr(with_pooled, field))
+  count, mean, _, sq_dev, pooled = _numpy_stats(x, y, K)
+  np.testing.assert_allclose(np.asarray(without.sq_dev).sum(0), np.diag(pooled), rtol=1e-5)
+  assert stats_lib.merge(without, with_pooled).pooled_scatter is None
+  assert stats_lib.finalize(without).pooled_scatter is None
+  with pytest.raises(ValueError, match="pooled=False needs full=False"):
+    stats_lib.from_chunks(chunks, K, full=True, pooled=False)
+
+
 @pytest.mark.parametrize("full", [True, False])
 def test_from_arrays_on_memmap_equals_in_memory(tmp_path, full):
   n = 1003
