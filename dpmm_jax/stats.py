@@ -424,6 +424,8 @@ def from_chunks(chunks: Iterable[Tuple[np.ndarray, np.ndarray]], num_classes: in
                           block_size=block_size)
   if total is None:
     raise ValueError("from_chunks received no data.")
+  if total.scatter is None and total.pooled_scatter is None:
+    return total                                   # nothing to symmetrise
   return _finalize_jit(total)
 
 
@@ -471,7 +473,6 @@ def class_covariances(stats: SufficientStats):
   return stats.scatter / jnp.maximum(stats.count, 1.0)[:, None, None]
 
 
-@jax.jit
 def identical_classes(stats: SufficientStats):
   """(K,) bool: classes of two or more points that are all identical (to float round-off).
 
@@ -483,11 +484,17 @@ def identical_classes(stats: SufficientStats):
   model the same, well-defined answer.
 
   The test is per dimension: the class's variance is below the round-off of its mean,
-  sq_dev_kd / N_k <= (8 eps |mean_kd|)^2.
+  sq_dev_kd / N_k <= (8 eps |mean_kd|)^2. One compiled program serves statistics with or
+  without the (K, D, D) and (D, D) scatters: it reads only count, mean and sq_dev.
   """
-  eps = jnp.finfo(stats.mean.dtype).eps
-  bound = stats.count[:, None] * (8.0 * eps * jnp.abs(stats.mean)) ** 2
-  return (stats.count > 1) & jnp.all(stats.sq_dev <= bound, axis=-1)
+  return _identical_classes(stats.count, stats.mean, stats.sq_dev)
+
+
+@jax.jit
+def _identical_classes(count, mean, sq_dev):
+  eps = jnp.finfo(mean.dtype).eps
+  bound = count[:, None] * (8.0 * eps * jnp.abs(mean)) ** 2
+  return (count > 1) & jnp.all(sq_dev <= bound, axis=-1)
 
 
 @jax.jit
