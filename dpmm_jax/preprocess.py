@@ -81,7 +81,7 @@ def fit(stats: stats_lib.SufficientStats, num_components: Optional[int] = None,
   Returns:
     Transform with D' = min(num_components, number of non-degenerate directions).
   """
-  dtype = stats.pooled_scatter.dtype
+  dtype = stats.sq_dev.dtype
   rtol = linalg.default_rtol(dtype) if rtol is None else rtol
   values, vectors, floor, mean = _total_spectrum(stats, jnp.asarray(rtol, dtype))
   keep = int(np.sum(np.asarray(values) > np.asarray(floor)))

@@ -448,9 +448,16 @@ def global_mean(stats: SufficientStats):
   return stats.count @ stats.mean / total_count(stats)
 
 
+def _pooled_scatter(stats: SufficientStats, what: str):
+  if stats.pooled_scatter is None:
+    raise ValueError(f"{what} needs the pooled scatter; these statistics were computed "
+                     "without it (pooled=False).")
+  return stats.pooled_scatter
+
+
 def pooled_covariance(stats: SufficientStats):
   """(D, D) average within-class covariance  Sigma_hat = (1/N) sum_k scatter_k."""
-  return stats.pooled_scatter / total_count(stats)
+  return _pooled_scatter(stats, "pooled_covariance") / total_count(stats)
 
 
 def pooled_variance(stats: SufficientStats):
@@ -463,7 +470,7 @@ def total_covariance(stats: SufficientStats):
   """(D, D) covariance of all points: within-class plus between-class scatter, over N."""
   centred_means = stats.mean - global_mean(stats)
   between = (centred_means * stats.count[:, None]).T @ centred_means
-  return (stats.pooled_scatter + between) / total_count(stats)
+  return (_pooled_scatter(stats, "total_covariance") + between) / total_count(stats)
 
 
 def class_covariances(stats: SufficientStats):

@@ -7,9 +7,12 @@ host-side checks (``numpy.linalg``) call numpy's OpenBLAS. The scorers call no L
 kernel (the full model's inverse factors are matrix products,
 ``linalg.triangular_inverse``), so they run at the same speed with or without a limit.
 By default OpenBLAS starts one busy-waiting thread per core. Inside an XLA program those
-threads compete with XLA's pool, and with any other process: on a 2-core machine with
-one other CPU-bound job, a full-model fit at K = 200, D = 768 ran 10x slower than with
-``OPENBLAS_NUM_THREADS=1``.
+threads compete with XLA's pool, and with any other process. On a 2-core machine with
+one other CPU-bound job, ``fit_detector`` of the full model (K = 50, D = 384) took
+52-108 s with the pools unmanaged against 3.7-4.4 s limited (BUILD.md, "Threads"); a
+user's own ``jax.jit(models.full.fit)`` (K = 200, D = 768), which the library does not
+manage, took 14.4-16.7 s with nothing set against 11.1-11.7 s with
+``OPENBLAS_NUM_THREADS=1`` (benchmarks/RESULTS.md, session 21).
 
 So the public API (``fit_detector``, ``score``, ``class_scores``, ``predict``,
 ``outlier_probability``) runs with those pools limited to ONE thread (via

@@ -138,6 +138,13 @@ def test_statistics_without_the_pooled_scatter():
   assert stats_lib.finalize(without).pooled_scatter is None
   with pytest.raises(ValueError, match="pooled=False needs full=False"):
     stats_lib.from_chunks(chunks, K, full=True, pooled=False)
+  # What needs the pooled scatter says so, eagerly and under jit, instead of a TypeError.
+  for fn in (stats_lib.pooled_covariance, stats_lib.total_covariance,
+             jax.jit(stats_lib.total_covariance)):
+    with pytest.raises(ValueError, match="without it \\(pooled=False\\)"):
+      fn(without)
+  np.testing.assert_allclose(stats_lib.pooled_covariance(with_pooled),
+                             pooled / len(y), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("full", [True, False])
