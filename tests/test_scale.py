@@ -301,6 +301,36 @@ def test_full_scoring_matches_triangular_solves(monkeypatch):
   assert prior_lp.shape == (40,) and np.all(np.isfinite(prior_lp))
 
 
+def test_aliased_row_counts_are_padded_and_cut_back():
+  """512 rows (a multiple of 512) are scored with 8 zero rows appended, which run faster
+  (``linalg.pad_aliased_rows``); the scores equal those of row counts that are not padded,
+  for the full model and for ``class_mahalanobis_sq`` with inverted factors."""
+  x = jnp.ones((512, 3))
+  padded, m = linalg.pad_aliased_rows(x)
+  assert m == 512 and padded.shape == (520, 3) and not np.any(np.asarray(padded[512:]))
+  assert linalg.pad_aliased_rows(x[:511])[0].shape == (511, 3)
+  assert linalg.pad_aliased_rows(x[:0])[0].shape == (0, 3)
+  dim = 16
+  st = _full_stats(13, 3, dim, 4 * dim)
+  params, _ = full.fit(st, max_iter=5)
+  rng = np.random.default_rng(14)
+  xt = (3.0 + rng.normal(size=(512, dim))).astype(np.float32)
+  class_lp, prior_lp = _FULL_LOG_PREDICTIVE(params, jnp.asarray(xt))
+  assert class_lp.shape == (512, 3) and prior_lp.shape == (512,)
+  parts = [_FULL_LOG_PREDICTIVE(params, jnp.asarray(xt[s])) for s in (slice(0, 500),
+                                                                     slice(500, 512))]
+  np.testing.assert_allclose(class_lp, np.concatenate([p[0] for p in parts]), rtol=1e-5,
+                             atol=1e-4)
+  np.testing.assert_allclose(prior_lp, np.concatenate([p[1] for p in parts]), rtol=1e-5,
+                             atol=1e-4)
+  inv = _TRIANGULAR_INVERSE(params.class_pred.chol_scale)
+  maha = jax.jit(linalg.class_mahalanobis_sq, static_argnames="inverted")
+  got = maha(jnp.asarray(xt), params.class_pred.loc, inv, inverted=True)
+  want = maha(jnp.asarray(xt), params.class_pred.loc, params.class_pred.chol_scale)
+  assert got.shape == (512, 3)
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)
+
+
 # --------------------------------------------------------------------- diagonal t
 def test_diag_scoring_matches_float64_including_huge_df():
   rng = np.random.default_rng(12)

@@ -398,7 +398,7 @@ def log_predictive(params: Params, x, inverse: Optional[InverseFactors] = None):
   """
   num_classes, dim = params.class_pred.loc.shape
   ref = params.hyper.loc
-  xc = x - ref
+  xc, m = linalg.pad_aliased_rows(x - ref)       # row counts like 2048 run slower
   centred = params.class_pred._replace(loc=params.class_pred.loc - ref)
   size = blocks.class_block_size(x.shape[0], num_classes, dim)
   class_inv = None if inverse is None else inverse.class_inv
@@ -407,4 +407,4 @@ def log_predictive(params: Params, x, inverse: Optional[InverseFactors] = None):
   prior = params.prior_pred._replace(loc=params.prior_pred.loc - ref)
   prior_inv = None if inverse is None else inverse.prior_inv[None]
   prior_lp = _mvt_block(xc, jax.tree_util.tree_map(lambda a: a[None], prior), prior_inv)[:, 0]
-  return class_lp, prior_lp
+  return class_lp[:m], prior_lp[:m]
