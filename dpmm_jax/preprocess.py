@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dpmm_jax import blocks
 from dpmm_jax import linalg
 from dpmm_jax import precision
 from dpmm_jax import stats as stats_lib
@@ -97,6 +98,9 @@ def fit(stats: stats_lib.SufficientStats, num_components: Optional[int] = None,
 
 # Eigenvalues closer than this (times eps and the largest |eigenvalue|) share a basis.
 EIGENSPACE_ULPS = 1000.0
+# Rows per block of ``apply``: a 65,536 x 768 chunk took 229-235 ms in blocks of 2,048
+# rows against 343-347 ms as one product (2-core CPU, session 22).
+_APPLY_ROW_BLOCK = 2048
 
 
 @precision.float32_matmuls   # numpy products here (host side); kept for the package rule
@@ -134,5 +138,7 @@ def canonical_basis(values: np.ndarray, vectors: np.ndarray, ulps: float = EIGEN
 @jax.jit
 @precision.float32_matmuls
 def apply(transform: Transform, x):
-  """(M, D) -> (M, D') transformed features."""
-  return (jnp.asarray(x) - transform.loc) @ transform.projection
+  """(M, D) -> (M, D') transformed features (in blocks of rows: faster than one product
+  over a tall chunk)."""
+  return blocks.map_blocks(lambda rows: (rows - transform.loc) @ transform.projection,
+                           jnp.asarray(x), _APPLY_ROW_BLOCK)

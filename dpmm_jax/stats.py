@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dpmm_jax import blocks
 from dpmm_jax import precision
 from dpmm_jax import validation
 
@@ -69,6 +70,8 @@ def _segment_sum(values, labels, num_classes):
 
 # Smallest window (rows) of the per-class scatter products.
 _MIN_WINDOW = 8
+# Rows per block of the pooled scatter's product when there is no per-class scatter.
+_POOLED_ROW_BLOCK = 4096
 
 
 def empty(num_classes: int, dim: int, full: bool = True, dtype=jnp.float32,
@@ -198,7 +201,17 @@ def _update(stats: SufficientStats, x, y, block_size: int, axis_name=None):
   a = jnp.where(valid[:, None], x - ref_old[safe_key], 0.0)
   c = x - mean[safe_key]
   sq_dev = stats.sq_dev + _segment_sum(a * c, key, num_classes)
-  pooled = None if stats.pooled_scatter is None else stats.pooled_scatter + a.T @ c
+  pooled = stats.pooled_scatter
+  if pooled is not None:
+    # a^T c again, in row blocks whose centred operands stay in cache: one update of a
+    # 65,536 x 768 chunk took 291-306 ms against 396-404 ms as one product over the
+    # materialised operands (K = 1000, 2-core CPU, session 22).
+    def block_product(rows, keep):
+      xb, kb, vb = rows
+      ab = jnp.where((vb & keep)[:, None], xb - ref_old[kb], 0.0)
+      return ab.T @ (xb - mean[kb])
+    pooled = pooled + blocks.sum_row_blocks(block_product, (x, safe_key, valid),
+                                            _POOLED_ROW_BLOCK)
   return SufficientStats(count, mean, sq_dev, None, pooled)
 
 

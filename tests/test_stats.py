@@ -147,6 +147,32 @@ def test_statistics_without_the_pooled_scatter():
                              pooled / len(y), rtol=1e-5, atol=1e-6)
 
 
+def test_row_blocks_of_the_pooled_scatter_and_of_the_transform(monkeypatch):
+  """The diagonal-only pass sums the pooled scatter over blocks of rows, the last one
+  overlapping the one before it (masked), and ``preprocess.apply`` maps blocks of rows:
+  with blocks of 8 rows over a 37-row chunk (padding rows included) both equal the
+  float64 reference."""
+  from dpmm_jax import blocks
+  from dpmm_jax import preprocess
+  rows = jnp.arange(10.0)
+  assert float(blocks.sum_row_blocks(lambda r, keep: jnp.sum(jnp.where(keep, r, 0.0)),
+                                     rows, 4)) == 45.0
+  x, y = _data(seed=6, n=37)
+  y = y.copy()
+  y[-3:] = -1                                   # padding rows: not counted
+  monkeypatch.setattr(stats_lib, "_POOLED_ROW_BLOCK", 8)
+  update = jax.jit(lambda s, a, b: stats_lib._update(s, a, b, 128))   # traced with the patch
+  got = update(stats_lib.empty(K, D, full=False), jnp.asarray(x), jnp.asarray(y))
+  count, mean, _, sq_dev, pooled = _numpy_stats(x[:-3], y[:-3], K)
+  _assert_stats_close(got, count, mean, None, sq_dev, pooled)
+  monkeypatch.setattr(preprocess, "_APPLY_ROW_BLOCK", 8)
+  transform = preprocess.Transform(jnp.asarray(x[0]), jnp.asarray(
+      np.random.default_rng(7).normal(size=(D, D - 1)), jnp.float32))
+  z = jax.jit(lambda t, a: preprocess.apply.__wrapped__(t, a))(transform, jnp.asarray(x))
+  want = (x.astype(np.float64) - x[0]) @ np.asarray(transform.projection, np.float64)
+  np.testing.assert_allclose(z, want, rtol=1e-5, atol=1e-4 * np.max(np.abs(want)))
+
+
 @pytest.mark.parametrize("full", [True, False])
 def test_from_arrays_on_memmap_equals_in_memory(tmp_path, full):
   n = 1003
