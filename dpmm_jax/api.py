@@ -231,13 +231,14 @@ def _chunk_rows(n: int, chunk_size: int, smallest: int = 32) -> int:
   return int(min(chunk_size, max(smallest, 1 << (n - 1).bit_length())))
 
 
-def _transformed_chunks(x, y, transform, chunk_size):
+def _transformed_chunks(x, y, transform, chunk_size, checked: bool = False):
   """(transformed (n, D') chunk, labels) of the training rows, one chunk in memory; the
   pages of a read-only memory map are released once the consumer asks for the next chunk
-  (without that, each pass over a 3.7 GB file left it all resident)."""
+  (without that, each pass over a 3.7 GB file left it all resident). The rows are
+  checked for NaN and inf unless ``checked`` (an earlier pass did)."""
   for start in range(0, x.shape[0], chunk_size):
     view = x[start:start + chunk_size]
-    xc = jnp.asarray(validation.check_finite_chunk(view, "x", start))
+    xc = jnp.asarray(validation.check_finite_chunk(view, "x", start, check=not checked))
     if transform is not None:
       xc = preprocess_lib.apply(transform, xc)
     yield xc, y[start:start + chunk_size]
@@ -419,14 +420,18 @@ def _prepare(x, y, *, num_classes, preprocess, num_components, chunk_size, full:
   transform = None
   if preprocess:
     raw = stats_lib.from_chunks(_transformed_chunks(x, y, None, chunk_size), num_classes,
-                                full=False, chunk_size=chunk_size, dtype=dtype)
+                                full=False, chunk_size=chunk_size, dtype=dtype,
+                                finite_checked=True)
     validation.finite_stats(raw)
     if not msp:
       raw = stats_lib.as_singletons(raw, stats_lib.identical_classes(raw))
     transform = preprocess_lib.fit(raw, num_components)
-  stats = stats_lib.from_chunks(_transformed_chunks(x, y, transform, chunk_size),
-                                num_classes, full=full, chunk_size=chunk_size, dtype=dtype,
-                                pooled=pooled or full)
+  # The rows' values were checked while they were read (by the first pass when there is
+  # a transform); a transform of finite rows that overflows shows in finite_stats.
+  stats = stats_lib.from_chunks(
+      _transformed_chunks(x, y, transform, chunk_size, checked=transform is not None),
+      num_classes, full=full, chunk_size=chunk_size, dtype=dtype, pooled=pooled or full,
+      finite_checked=True)
   validation.finite_stats(stats)
   return _Prepared(x, y, num_classes, transform, stats, np.asarray(stats.count), chunk_size,
                    bool(preprocess))

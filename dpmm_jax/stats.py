@@ -398,7 +398,8 @@ def _pad_chunk(xs, ys, rows: int):
 
 def from_chunks(chunks: Iterable[Tuple[np.ndarray, np.ndarray]], num_classes: int,
                 full: bool = True, chunk_size: Optional[int] = None,
-                dtype=None, block_size: int = 128, pooled: bool = True) -> SufficientStats:
+                dtype=None, block_size: int = 128, pooled: bool = True,
+                finite_checked: bool = False) -> SufficientStats:
   """Streams statistics over (x, y) chunks; pads chunks to one shape (one compilation).
 
   The running statistics are updated in place (``update`` with donated buffers), so the
@@ -415,6 +416,9 @@ def from_chunks(chunks: Iterable[Tuple[np.ndarray, np.ndarray]], num_classes: in
       all chunks (defaults to the first chunk's size).
     dtype: accumulation dtype (defaults to the first chunk's float dtype).
     block_size: maximal rows per per-class product window.
+    finite_checked: the caller has checked that the features are finite (the public
+      API does, on the host, while it reads them): the chunks are not checked again,
+      which for chunks on a device would wait for each one to be computed.
   Returns:
     SufficientStats of all chunks together.
   """
@@ -422,7 +426,8 @@ def from_chunks(chunks: Iterable[Tuple[np.ndarray, np.ndarray]], num_classes: in
   for xc, yc in chunks:
     # Labels must lie in 0..K-1 here (padding rows are added below), rows finite.
     xc, yc = validation.stats_chunk(xc, yc, num_classes, offset,
-                                    None if total is None else total.dim)
+                                    None if total is None else total.dim,
+                                    finite_checked=finite_checked)
     offset += xc.shape[0]
     if dtype is None:
       dtype = jnp.asarray(xc[:1]).dtype

@@ -143,10 +143,12 @@ def check_finite_rows(arr, name: str, chunk_rows: int = 65536) -> None:
                      f"{arr.shape[0]} (first rows: {_listed(bad)}).")
 
 
-def check_finite_chunk(arr, name, offset):
-  """Finite check for one chunk of a memory-mapped array (row indices are global)."""
+def check_finite_chunk(arr, name, offset, check: bool = True):
+  """Finite check for one chunk of a memory-mapped array (row indices are global), and
+  its cast to the compute dtype. ``check=False``: the cast alone (rows already checked)."""
   arr = np.asarray(arr)
-  _check_finite(arr, name, offset)
+  if check:
+    _check_finite(arr, name, offset)
   return _convert(arr, _float_dtype(arr.dtype), name, offset)
 
 
@@ -266,7 +268,8 @@ def em_options(tol, max_iter):
 
 
 # ---------------------------------------------------------------- statistics functions
-def stats_chunk(x, y, num_classes: int, offset: int = 0, dim=None, name: str = "x"):
+def stats_chunk(x, y, num_classes: int, offset: int = 0, dim=None, name: str = "x",
+                finite_checked: bool = False):
   """Checks one (x, y) chunk given to the chunked statistics functions.
 
   Args:
@@ -275,6 +278,8 @@ def stats_chunk(x, y, num_classes: int, offset: int = 0, dim=None, name: str = "
     num_classes: K.
     offset: index of the chunk's first row in the whole data set (for messages).
     dim: D of the previous chunks (None for the first).
+    finite_checked: the caller has checked that the features are finite: skip that
+      check (for a jax array it waits for the chunk to be computed).
   Returns:
     (x with a float dtype, y as an int32 numpy array).
   """
@@ -302,10 +307,12 @@ def stats_chunk(x, y, num_classes: int, offset: int = 0, dim=None, name: str = "
     raise ValueError(f"{bad.size} label(s) outside 0..{num_classes - 1} (first at rows "
                      f"{_listed(bad + offset)}).")
   if on_device:
-    if jnp.issubdtype(x.dtype, jnp.inexact) and not bool(_all_finite(x)):
+    if (not finite_checked and jnp.issubdtype(x.dtype, jnp.inexact)
+        and not bool(_all_finite(x))):
       _check_finite(np.asarray(x), name, offset)
     return x.astype(_float_dtype(x.dtype)), y.astype(np.int32)
-  _check_finite(x, name, offset)
+  if not finite_checked:
+    _check_finite(x, name, offset)
   return _convert(x, _float_dtype(x.dtype), name, offset), y.astype(np.int32)
 
 

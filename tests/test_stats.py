@@ -199,6 +199,17 @@ def test_from_chunks_with_uneven_chunks_and_rechunking():
   _assert_stats_close(got, *_numpy_stats(x, y, K))
 
 
+def test_from_chunks_skips_the_finite_check_only_when_told():
+  x, y = _data(seed=8, n=40)
+  x = x.copy()
+  x[7, 1] = np.nan
+  for chunk in (x, jnp.asarray(x)):                 # on the host and on the device
+    with pytest.raises(ValueError, match=r"1 row\(s\) with NaN or inf values"):
+      stats_lib.from_chunks([(chunk, y)], K, full=False)
+    unchecked = stats_lib.from_chunks([(chunk, y)], K, full=False, finite_checked=True)
+    assert not np.all(np.isfinite(np.asarray(unchecked.mean)))
+
+
 def test_from_chunks_rejects_empty_input():
   with pytest.raises(ValueError, match="no data"):
     stats_lib.from_chunks(iter([]), K)
