@@ -233,16 +233,16 @@ def _chunk_rows(n: int, chunk_size: int, smallest: int = 32) -> int:
 
 def _transformed_chunks(x, y, transform, chunk_size, checked: bool = False):
   """(transformed (n, D') chunk, labels) of the training rows, one chunk in memory; the
-  pages of a read-only memory map are released once the consumer asks for the next chunk
-  (without that, each pass over a 3.7 GB file left it all resident). The rows are
-  checked for NaN and inf unless ``checked`` (an earlier pass did)."""
+  pages of a read-only memory map are released as each chunk is read
+  (``stats.read_chunk``; without that, each pass over a 3.7 GB file left it all
+  resident). The rows are checked for NaN and inf unless ``checked`` (an earlier pass
+  did)."""
   for start in range(0, x.shape[0], chunk_size):
-    view = x[start:start + chunk_size]
-    xc = jnp.asarray(validation.check_finite_chunk(view, "x", start, check=not checked))
+    chunk = stats_lib.read_chunk(x[start:start + chunk_size])
+    xc = jnp.asarray(validation.check_finite_chunk(chunk, "x", start, check=not checked))
     if transform is not None:
       xc = preprocess_lib.apply(transform, xc)
     yield xc, y[start:start + chunk_size]
-    stats_lib.release_pages(view)
 
 
 def _fit_model(model, stats, x_fn, y, key, options):

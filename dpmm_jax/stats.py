@@ -376,16 +376,28 @@ def release_pages(view) -> None:
     pass
 
 
-def iterate_chunks(x, y, chunk_size: int) -> Iterable[Tuple[np.ndarray, np.ndarray]]:
-  """Yields (x, y) row chunks of arrays that may be ``np.memmap`` (only one chunk in RAM).
+def read_chunk(view) -> np.ndarray:
+  """A row chunk of an array that may be an ``np.memmap``, in memory; a memory-mapped
+  chunk is copied and its pages released at once (``release_pages``).
 
-  Pages of a read-only memory map are released once the consumer asks for the next chunk.
+  On the CPU a jax array made from a memory-mapped chunk aliases the file's pages (no
+  copy), and the computations that read it run after the call returns: pages released
+  while one of them still reads the chunk are mapped in again and stay resident (3.5 GB
+  more at ImageNet size). A copy costs one memcpy of the chunk.
   """
+  if getattr(view, "_mmap", None) is None:
+    return np.asarray(view)
+  chunk = np.array(view)
+  release_pages(view)
+  return chunk
+
+
+def iterate_chunks(x, y, chunk_size: int) -> Iterable[Tuple[np.ndarray, np.ndarray]]:
+  """Yields (x, y) row chunks of arrays that may be ``np.memmap`` (only one chunk in RAM:
+  ``read_chunk``)."""
   for start in range(0, x.shape[0], chunk_size):
-    xs, ys = x[start:start + chunk_size], y[start:start + chunk_size]
-    yield np.asarray(xs), np.asarray(ys)
-    release_pages(xs)
-    release_pages(ys)
+    yield (read_chunk(x[start:start + chunk_size]),
+           read_chunk(y[start:start + chunk_size]))
 
 
 def _pad_chunk(xs, ys, rows: int):
@@ -438,8 +450,11 @@ def from_chunks(chunks: Iterable[Tuple[np.ndarray, np.ndarray]], num_classes: in
     for start in range(0, xc.shape[0], chunk_size):
       xs, ys = _pad_chunk(xc[start:start + chunk_size],
                           np.asarray(yc[start:start + chunk_size]), chunk_size)
-      total = _update_jit(total, jnp.asarray(xs, dtype), jnp.asarray(ys, jnp.int32),
-                          block_size=block_size)
+      # At most one update in flight: the next chunk is read (and, on a device, computed)
+      # while this one is summed, but chunks that arrive faster than they are summed do
+      # not pile up in memory.
+      total = _update_jit(jax.block_until_ready(total), jnp.asarray(xs, dtype),
+                          jnp.asarray(ys, jnp.int32), block_size=block_size)
   if total is None:
     raise ValueError("from_chunks received no data.")
   if total.scatter is None and total.pooled_scatter is None:

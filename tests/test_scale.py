@@ -116,7 +116,10 @@ def test_release_pages_keeps_memmap_contents(tmp_path):
   x = np.arange(40000, dtype=np.float32).reshape(4000, 10)
   np.save(tmp_path / "x.npy", x)
   xm = np.load(tmp_path / "x.npy", mmap_mode="r")
-  chunks = [c.copy() for c, _ in stats_lib.iterate_chunks(xm, np.zeros(4000, np.int32), 999)]
+  chunks = [c for c, _ in stats_lib.iterate_chunks(xm, np.zeros(4000, np.int32), 999)]
+  # Copies: a device array made from a chunk that aliased the map would read (and map in
+  # again) its released pages.
+  assert not any(np.shares_memory(c, xm) for c in chunks)
   np.testing.assert_array_equal(np.concatenate(chunks), x)
   np.testing.assert_array_equal(np.asarray(xm[:5]), x[:5])      # re-read after release
 
