@@ -27,8 +27,8 @@ def class_block_size(num_points: int, num_classes: int, per_pair_elements: int,
   return int(max(1, min(num_classes, budget // max(1, num_points * per_pair_elements))))
 
 
-def _num_classes(per_class) -> int:
-  return jax.tree_util.tree_leaves(per_class)[0].shape[0]
+def _leading_size(tree) -> int:
+  return jax.tree_util.tree_leaves(tree)[0].shape[0]
 
 
 def _zeros_like_varying(block_out, num_classes: int):
@@ -40,7 +40,7 @@ def _zeros_like_varying(block_out, num_classes: int):
 
 
 def _block_loop(fn, per_class, block_size: int, init, write, first_block=0):
-  num_classes = _num_classes(per_class)
+  num_classes = _leading_size(per_class)
   num_blocks = -(-num_classes // block_size)
 
   def body(i, acc):
@@ -82,7 +82,7 @@ def map_blocks(fn, per_class, block_size: int, first_block=0):
   Returns:
     pytree with leaves (K, ...).
   """
-  num_classes = _num_classes(per_class)
+  num_classes = _leading_size(per_class)
   block_size = int(max(1, min(block_size, num_classes)))
   if block_size == num_classes:
     if not (isinstance(first_block, int) and first_block == 0):
@@ -116,7 +116,7 @@ def sum_row_blocks(fn, rows, block_size: int):
   Returns:
     pytree: the sum of ``fn`` over the blocks.
   """
-  num_rows = _num_classes(rows)
+  num_rows = _leading_size(rows)
   block_size = int(max(1, min(block_size, num_rows)))
   if block_size == num_rows:
     return fn(rows, jnp.ones((num_rows,), bool))

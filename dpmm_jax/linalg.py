@@ -154,11 +154,12 @@ def triangle_row_blocks(dim: int):
 
 
 # XLA:CPU runs ``triangular_mahalanobis_sq`` 15-40 % slower per row when the number of
-# rows is a multiple of 1024, less clearly of 512 (measured in session 22, 2-core AVX-512 EPYC, jax 0.9.2,
-# D = 768: 3.7 against 3.0-3.3 us per (point, class) at 2048 rows and its neighbours;
-# the whole full-model scorer at K = 100: 2.96 against 2.15-2.28 us). Its products reduce
-# along a stride of M floats, and a stride of a large power of two maps them onto few
-# cache sets. Callers pad such row counts with a few zero rows (``pad_aliased_rows``).
+# rows is a multiple of 1024, less clearly of 512 (benchmarks/RESULTS.md, session 22;
+# 2-core AVX-512 EPYC, jax 0.9.2, D = 768: 3.68 against 3.03-3.33 us per (point, class)
+# at 2048 rows and its neighbours; the full model's scorer at K = 100: 2.96 against
+# 2.15-2.28 us). Its products reduce along a stride of M floats, and a stride of a large
+# power of two maps them onto few cache sets. Callers pad such row counts with a few
+# zero rows (``pad_aliased_rows``).
 _ALIASED_ROWS = 512
 _PAD_ROWS = 8
 

@@ -204,7 +204,7 @@ def _update(stats: SufficientStats, x, y, block_size: int, axis_name=None):
   pooled = stats.pooled_scatter
   if pooled is not None:
     # a^T c again, in row blocks whose centred operands stay in cache: one update of a
-    # 65,536 x 768 chunk took 291-306 ms against 396-404 ms as one product over the
+    # 65,536 x 768 chunk took 290-306 ms against 396-404 ms as one product over the
     # materialised operands (K = 1000, 2-core CPU, session 22).
     def block_product(rows, keep):
       xb, kb, vb = rows
