@@ -173,6 +173,18 @@ def test_row_blocks_of_the_pooled_scatter_and_of_the_transform(monkeypatch):
   np.testing.assert_allclose(z, want, rtol=1e-5, atol=1e-4 * np.max(np.abs(want)))
 
 
+@pytest.mark.parametrize("num_keys,n", [(5, 300), (1001, 4096), (70_000, 65_536)])
+def test_stable_key_order_equals_a_stable_argsort(num_keys, n):
+  """The packed one-operand sort (key * n + row fits in uint32) and, at 70,000 keys x
+  65,536 rows where it would overflow, the argsort it falls back to: both give numpy's
+  stable order, ties in row order (keys drawn from a few values, so most are tied)."""
+  rng = np.random.default_rng(num_keys)
+  key = rng.choice(np.array([0, 1, num_keys // 2, num_keys - 1]), n).astype(np.int32)
+  got = jax.jit(stats_lib.stable_key_order, static_argnums=1)(jnp.asarray(key), num_keys)
+  assert got.dtype == jnp.int32
+  np.testing.assert_array_equal(np.asarray(got), np.argsort(key, kind="stable"))
+
+
 @pytest.mark.parametrize("full", [True, False])
 def test_from_arrays_on_memmap_equals_in_memory(tmp_path, full):
   n = 1003
