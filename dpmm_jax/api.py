@@ -499,6 +499,8 @@ def _fit_with_info(x, y, model, *, num_classes, preprocess, num_components, chun
   _check_model(model, options)
   if not isinstance(standard_errors, (bool, np.bool_)):
     raise TypeError(f"standard_errors must be True or False, got {standard_errors!r}.")
+  if key is not None:
+    validation.prng_key(key)
   prep = _prepare(x, y, num_classes=num_classes, preprocess=preprocess,
                   num_components=num_components, chunk_size=chunk_size,
                   full=model in _FULL_STATS, msp=model in ("msp", "temp_msp"),
@@ -566,6 +568,8 @@ def fit_detectors_with_info(x, y, models=DPMM_MODELS + ("rmds",), *, num_classes
     raise ValueError(f"options given for model(s) {unused} that are not in models {models}.")
   for model in models:
     _check_model(model, options.get(model, {}))
+  if key is not None:
+    validation.prng_key(key)
   if not isinstance(standard_errors, (bool, np.bool_)):
     raise TypeError(f"standard_errors must be True or False, got {standard_errors!r}.")
   common = dict(num_classes=num_classes, preprocess=preprocess,

@@ -687,6 +687,7 @@ def discover(det, x_test, max_new_classes: int = 20, *, alpha: float = 1.0,
   _check_discovery_detector(det)
   num_restarts = validation.positive_int(num_restarts, "num_restarts")
   validation.em_options(tol, max_iter)
+  key = jax.random.PRNGKey(0) if key is None else validation.prng_key(key)
   x = validation.features(x_test, "x_test", dim=det.input_dim, allow_empty=True)
   priors = priors_from_detector(det, max_new_classes, alpha=alpha, gamma=gamma,
                                 class_weights=class_weights, known_strength=known_strength,
@@ -702,7 +703,6 @@ def discover(det, x_test, max_new_classes: int = 20, *, alpha: float = 1.0,
                      jnp.asarray(0, jnp.int32), jnp.asarray(True),
                      jnp.full((num_restarts,), e), det.transform)
   y = _to_model_space(det, jnp.asarray(x, dtype))
-  key = jax.random.PRNGKey(0) if key is None else key
   keys = jax.random.split(key, num_restarts)
   params, info, finals = fit_restarts(keys, y, priors, jnp.asarray(tol, dtype), max_iter)
   resp = responsibilities(params, y)

@@ -967,6 +967,7 @@ def estimate(X, Y, kind: str, *, key, alpha: Optional[float] = None, kernel: str
   validation.positive(delta, "delta")
   if not 0 < credible_level < 1:
     raise ValueError(f"credible_level must be in (0, 1), got {credible_level}.")
+  validation.prng_key(key)
   x, y = check_samples(X, Y)
   dim = x.shape[1]
   sigma = float(dim + 1) if sigma is None else float(validation.positive(sigma, "sigma"))

@@ -212,7 +212,7 @@ def fit_gmm(x, num_components: int, *, key=None, prior: Prior = None, tol=1e-7,
   if prior.concentration.shape != (num_components,) or prior.components.loc.shape != (
       x.shape[1],):
     raise ValueError("prior does not match num_components and the dimension of x.")
-  key = jax.random.PRNGKey(0) if key is None else key
+  key = jax.random.PRNGKey(0) if key is None else validation.prng_key(key)
   best = None
   for k in jax.random.split(key, num_restarts):
     state, info = fit(prior, x, init_state(prior, x, k), tol, max_iter)

@@ -516,8 +516,7 @@ def _prepare(x, locations, num_clusters, key, inducing=None, num_inducing_per_di
     if init_means.shape[0] != num_clusters:
       raise ValueError(f"init_means must have shape ({num_clusters}, {x.shape[1]}), got "
                        f"{init_means.shape}.")
-  if not isinstance(key, jax.Array) or key.shape not in ((), (2,)):
-    raise TypeError(f"key must be a jax PRNG key (jax.random.key or PRNGKey), got {key!r}.")
+  validation.prng_key(key)
   dtype = jnp.asarray(x).dtype
   has_init = init_means is not None
   if not has_init:

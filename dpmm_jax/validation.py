@@ -259,6 +259,22 @@ def non_negative_int(value, name):
   return _integer(value, name, "non-negative", 0)
 
 
+def prng_key(key, name: str = "key"):
+  """``key`` if it is one jax PRNG key: a typed key (``jax.random.key``, shape ()) or a
+  raw one (``jax.random.PRNGKey``, uint32 of shape (2,)); else a TypeError that says how
+  to make one (an int seed is not accepted: jax keys are explicit)."""
+  dtype = getattr(key, "dtype", None)
+  shape = getattr(key, "shape", None)
+  typed = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
+  if isinstance(key, (jax.Array, np.ndarray)) and (
+      (typed and shape == ()) or (not typed and dtype == np.uint32 and shape == (2,))):
+    return key
+  got = (f"an array of shape {shape} and dtype {dtype}" if shape is not None
+         else f"{type(key).__name__} {key!r}")
+  raise TypeError(f"{name} must be one jax PRNG key, e.g. jax.random.key(0) or "
+                  f"jax.random.PRNGKey(0); got {got}.")
+
+
 def em_options(tol, max_iter):
   positive(tol, "tol")
   if isinstance(max_iter, (bool, np.bool_)) or not isinstance(max_iter, numbers.Integral):

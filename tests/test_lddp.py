@@ -92,7 +92,7 @@ def test_bad_inputs_raise_named_errors(scenes, small_fit):
       (dict(locations=np.full_like(loc, np.inf)), ValueError, "locations has"),
       (dict(num_clusters=0), ValueError, "num_clusters"),
       (dict(num_clusters=2.5), TypeError, "num_clusters"),
-      (dict(key=0), TypeError, "key must be a jax PRNG key"),
+      (dict(key=0), TypeError, "key must be one jax PRNG key"),
       (dict(length_scale=-1.0), ValueError, "length_scale"),
       (dict(amplitude=float("nan")), ValueError, "amplitude"),
       (dict(tol=0.0), ValueError, "tol"),

@@ -226,6 +226,32 @@ def test_full_model_rejects_initial_df_at_most_d_plus_one(df, match):
     dpmm_jax.fit_detector(x, y, "full", num_components=2, df=3.0)
 
 
+def test_every_keyed_entry_point_names_a_bad_key():
+  """Each public function that takes a PRNG key rejects an int seed, a batch of keys
+  and a string with one TypeError that says how to make a key, before any work; typed
+  and raw keys are both accepted."""
+  from dpmm_jax import divergence
+  from dpmm_jax import gmm
+  from dpmm_jax import validation
+  x, y, x_test = _data()
+  det = _detector("diag")
+  calls = {
+      "fit_detector": lambda key: dpmm_jax.fit_detector(x, y, "msp", key=key),
+      "fit_detectors": lambda key: dpmm_jax.fit_detectors(x, y, ("rmds",), key=key),
+      "discover": lambda key: dpmm_jax.discover(det, x_test, key=key),
+      "divergence.estimate": lambda key: divergence.estimate(x, x_test, "tv", key=key),
+      "gmm.fit_gmm": lambda key: gmm.fit_gmm(x, 2, key=key),
+  }
+  batch = jax.random.split(jax.random.PRNGKey(0), 2)
+  for name, call in calls.items():
+    for bad in (0, "seed", batch, np.zeros(2, np.int32)):
+      with pytest.raises(TypeError, match=r"key must be one jax PRNG key, e\.g\. "
+                                          r"jax\.random\.key\(0\)"):
+        call(bad)
+  for good in (jax.random.key(3), jax.random.PRNGKey(3), np.asarray(jax.random.PRNGKey(3))):
+    assert validation.prng_key(good) is good
+
+
 # ------------------------------------------------------------------------- scoring
 ENTRY_POINTS = {
     "score": dpmm_jax.score,
