@@ -25,6 +25,7 @@ import numpy as np
 from jax.scipy.linalg import solve_triangular
 
 from dpmm_jax import synthetic
+from dpmm_jax import validation
 
 __all__ = [
     "forstner_moonen_distance",
@@ -167,6 +168,7 @@ def wishart_null_covariances(key: jax.Array, pooled_cov: jax.Array, dof,
       ValueError: if ``pooled_cov`` is not (D, D), ``dof <= D - 1`` or
         ``num_samples < 1``.
     """
+    validation.prng_key(key)
     _check_covariances(pooled_cov, "pooled_cov")
     if len(jnp.shape(pooled_cov)) != 2:
         raise ValueError(f"pooled_cov must have shape (D, D), got {jnp.shape(pooled_cov)}.")

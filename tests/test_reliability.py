@@ -227,9 +227,10 @@ def test_full_model_rejects_initial_df_at_most_d_plus_one(df, match):
 
 
 def test_every_keyed_entry_point_names_a_bad_key():
-  """Each public function that takes a PRNG key rejects an int seed, a batch of keys
+  """Each public function that takes a PRNG key (the jitted building blocks aside) rejects an int seed, a batch of keys
   and a string with one TypeError that says how to make a key, before any work; typed
   and raw keys are both accepted."""
+  from dpmm_jax import analysis
   from dpmm_jax import divergence
   from dpmm_jax import gmm
   from dpmm_jax import validation
@@ -241,6 +242,8 @@ def test_every_keyed_entry_point_names_a_bad_key():
       "discover": lambda key: dpmm_jax.discover(det, x_test, key=key),
       "divergence.estimate": lambda key: divergence.estimate(x, x_test, "tv", key=key),
       "gmm.fit_gmm": lambda key: gmm.fit_gmm(x, 2, key=key),
+      "analysis.wishart_null_covariances": lambda key: analysis.wishart_null_covariances(
+          key, np.eye(D, dtype=np.float32), 10.0, 3),
   }
   batch = jax.random.split(jax.random.PRNGKey(0), 2)
   for name, call in calls.items():
