@@ -300,9 +300,12 @@ def _check_within_class(stats, model: str, preprocessed: bool):
       what = (f"{flat.size} of the {dim} directions kept by the preprocessing have (almost) "
               f"no within-class variance (first: {validation._listed(flat)}): "
               + (f"too few points per class{few}" if dof < dim else
-                 "features that are constant within each class but differ between classes"))
+                 "features, or combinations of features, that are constant within each "
+                 "class but differ between classes (such as a feature that encodes the "
+                 "label)"))
       fix = (f"Use num_components={max(1, dof)}" if dof < dim else
-             "Remove such features")
+             "Remove the features responsible (a fit with preprocess=False names single "
+             "features that are constant within each class)")
     else:
       what = (f"{flat.size} of the {dim} features have (almost) no within-class variance "
               f"(first: {validation._listed(flat)}): constant features, or features "

@@ -427,12 +427,19 @@ def test_constant_feature_without_preprocessing_is_named(model):
 
 
 def test_feature_constant_within_each_class_is_named():
+  """A feature that encodes the label: after the preprocessing the flat direction is a
+  combination of features, so the error points to the raw fit that names them; the raw
+  fit names feature 0."""
   x, y, _ = _data()
   x = x.copy()
   x[:, 0] = y
-  for preprocess in (True, False):
-    with pytest.raises(ValueError, match="constant within each class"):
-      dpmm_jax.fit_detector(x, y, "diag", preprocess=preprocess)
+  with pytest.raises(ValueError, match=r"1 of the 4 directions kept by the preprocessing .*"
+                                       r"combinations of features, that are constant within "
+                                       r"each class .*a fit with preprocess=False names"):
+    dpmm_jax.fit_detector(x, y, "diag")
+  with pytest.raises(ValueError, match=r"1 of the 4 features .*\(first: \[0\]\).*constant "
+                                       r"within each class"):
+    dpmm_jax.fit_detector(x, y, "diag", preprocess=False)
 
 
 def test_duplicated_feature_without_preprocessing():
