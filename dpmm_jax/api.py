@@ -260,7 +260,44 @@ def _fit_model(model, stats, x_fn, y, key, options):
 
 
 @precision.float32_matmuls
-def _check_within_class(stats, model: str, preprocessed: bool):
+def _nonsingular_components(stats, transform, within_var) -> int:
+  """The largest num_components whose transform leaves the average within-class
+  covariance non-singular (every direction's within-class variance above 4
+  ``linalg.default_rtol`` of its total variance), 0 if none; from the statistics in the
+  transform's space, without another pass over the data.
+
+  The projection is P = V L^(-1/2) R (V, L: the top total-covariance eigenpairs, R the
+  within-class rotation), so P^T P = R^T L^(-1) R: its eigenvectors, by ascending
+  eigenvalue, are the whitened top principal directions in the transform's coordinates,
+  where the total covariance is I. The smallest eigenvalue of the within-class
+  covariance restricted to the first k of them falls as k grows (interlacing), so the
+  largest k is found by bisection.
+  """
+  proj = np.asarray(transform.projection, np.float64)
+  _, order = np.linalg.eigh(proj.T @ proj)        # columns: top principal first
+  if stats.pooled_scatter is not None:
+    within = np.asarray(stats.pooled_scatter, np.float64) / float(np.sum(stats.count))
+  else:                            # diagonal in the transform's coordinates by construction
+    within = np.diag(within_var)
+  rtol = linalg.default_rtol(np.asarray(stats.sq_dev).dtype)
+
+  def nonsingular(k):
+    q = order[:, :k]
+    # A margin over the fit's own test (``_flat_directions``): the refit recomputes the
+    # transform and the statistics, with their own round-off.
+    return np.linalg.eigvalsh(q.T @ within @ q)[0] > 4.0 * rtol
+
+  lo, hi = 0, proj.shape[1]                       # nonsingular(lo) holds, hi unknown
+  while lo < hi:
+    mid = (lo + hi + 1) // 2
+    if nonsingular(mid):
+      lo = mid
+    else:
+      hi = mid - 1
+  return lo
+
+
+def _check_within_class(stats, model: str, preprocessed: bool, transform=None):
   """Rejects training data whose within-class covariance cannot carry the model.
 
   Every Gaussian model needs some within-class variation; the hierarchical models use
@@ -300,12 +337,24 @@ def _check_within_class(stats, model: str, preprocessed: bool):
       what = (f"{flat.size} of the {dim} directions kept by the preprocessing have (almost) "
               f"no within-class variance (first: {validation._listed(flat)}): "
               + (f"too few points per class{few}" if dof < dim else
+                 # The smallest eigenvalue of a sample covariance with dof degrees of
+                 # freedom in D dimensions is ~(1 - sqrt(D / dof))^2 of its scale.
+                 f"too few points per class for this many directions (N - K = {dof} is "
+                 f"close to D = {dim})" if dof < 1.25 * dim else
                  "features, or combinations of features, that are constant within each "
                  "class but differ between classes (such as a feature that encodes the "
                  "label)"))
-      fix = (f"Use num_components={max(1, dof)}" if dof < dim else
-             "Remove the features responsible (a fit with preprocess=False names single "
-             "features that are constant within each class)")
+      usable = 0 if transform is None else _nonsingular_components(stats, transform,
+                                                                    within_var)
+      fixes = []
+      if usable:
+        fixes.append(f"Use num_components={usable} (top principal components in which it "
+                     "is non-singular)")
+      if dof >= 1.25 * dim or not usable:
+        fixes.append("remove the features responsible (a fit with preprocess=False names "
+                     "single features that are constant within each class)")
+      fix = ", or ".join(fixes)
+      fix = fix[0].upper() + fix[1:]
     else:
       what = (f"{flat.size} of the {dim} features have (almost) no within-class variance "
               f"(first: {validation._listed(flat)}): constant features, or features "
@@ -449,7 +498,7 @@ def _fit_prepared(prep: _Prepared, model: str, key, standard_errors: bool, optio
     stats = stats._replace(scatter=None)
   if model not in ("msp", "temp_msp"):
     stats = _identical_classes_as_singletons(stats, model, stacklevel + 1)
-    _check_within_class(stats, model, prep.preprocess)
+    _check_within_class(stats, model, prep.preprocess, prep.transform)
   if model in _DIAGONAL_STATS:
     # One program per shape whether or not another model needed the pooled scatter.
     stats = stats._replace(pooled_scatter=None)
