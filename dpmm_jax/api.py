@@ -297,6 +297,7 @@ def _nonsingular_components(stats, transform, within_var) -> int:
   return lo
 
 
+@precision.float32_matmuls
 def _check_within_class(stats, model: str, preprocessed: bool, transform=None):
   """Rejects training data whose within-class covariance cannot carry the model.
 
