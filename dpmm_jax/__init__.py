@@ -13,7 +13,8 @@ The functional layer (``stats``, ``preprocess``, ``conjugate.niw``/``nix``, ``ne
 ``em``, ``models.*``, ``scores``, ``metrics``) stays public for composing in JAX code.
 """
 from dpmm_jax.api import (DPMM_MODELS, MODEL_OPTIONS, MODELS, ConvergenceWarning, Detector,
-                          FitReport, FitDiagnosticWarning, IdenticalClassWarning,
+                          FewShotWarning, FitReport, FitDiagnosticWarning,
+                          IdenticalClassWarning,
                           class_scores, fit_detector, fit_detector_with_info,
                           fit_detectors, fit_detectors_with_info,
                           outlier_probability, predict, score)

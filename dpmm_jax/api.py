@@ -98,6 +98,13 @@ def _model_dim(det) -> int:
   return p.class_mean.shape[-1]
 
 
+class FewShotWarning(UserWarning):
+  """Too few training points for the preprocessed dimension (N - K close to or below
+  D'): a hierarchical model was fitted on fewer top principal components, the most that
+  keep its Sigma0 non-singular (the message names the number; pass ``num_components``
+  to choose)."""
+
+
 class FitDiagnosticWarning(UserWarning):
   """The fit reached a state worth a look (``FitReport.problems`` lists it): a Newton
   M-step that did not converge or ended on its lower bound, or the coupled model's
@@ -259,6 +266,28 @@ def _fit_model(model, stats, x_fn, y, key, options):
   return _MODULES[model].fit(stats, **options)
 
 
+def _within_variances(stats) -> np.ndarray:
+  """(D,) average within-class variance of each coordinate (float64)."""
+  total = float(np.sum(np.asarray(stats.count, np.float64)))
+  if stats.pooled_scatter is not None:
+    return np.diag(np.asarray(stats.pooled_scatter, np.float64)) / total
+  return np.asarray(stats.sq_dev, np.float64).sum(axis=0) / total  # the same diagonal
+
+
+@precision.float32_matmuls
+def _flat_directions(stats) -> np.ndarray:
+  """Indices of the coordinates whose within-class variance is at most
+  ``linalg.default_rtol`` times their total variance."""
+  count = np.asarray(stats.count, np.float64)
+  total = count.sum()
+  within_var = _within_variances(stats)
+  rtol = linalg.default_rtol(np.asarray(stats.sq_dev).dtype)
+  mean = np.asarray(stats.mean, np.float64)
+  centred = mean - count @ mean / total
+  total_var = within_var + np.einsum("k,kd->d", count, centred * centred) / total
+  return np.flatnonzero(within_var <= rtol * total_var)
+
+
 @precision.float32_matmuls
 def _nonsingular_components(stats, transform, within_var) -> int:
   """The largest num_components whose transform leaves the average within-class
@@ -297,6 +326,29 @@ def _nonsingular_components(stats, transform, within_var) -> int:
   return lo
 
 
+# With N - K below this many times the preprocessed dimension, the hierarchical models
+# get at most FEW_SHOT_FRACTION (N - K) top principal components.
+_FEW_SHOT_RATIO = 1.25
+# A sample covariance from n degrees of freedom in k dimensions has its smallest
+# eigenvalue shrunk by about (1 - sqrt(k / n))^2: 0.018 at k = 3n/4, 4e-4 at k = 0.96 n.
+# Near the edge the fitted Sigma0 is nearly singular and the axis-aligned models rank
+# badly: K = 20, N_k = 8, D = 512 (N - K = 140) scored AUROC 0.83 (coupled, diag) with
+# 135 components and 1.000 with 121, 105 or 70 (benchmarks/RESULTS.md, session 23).
+FEW_SHOT_FRACTION = 0.75
+
+
+def _suggested_components(stats, transform, within_var) -> int:
+  """The num_components to suggest or use when Sigma0 is singular after the
+  preprocessing: the most top principal components that keep it non-singular
+  (``_nonsingular_components``), at most FEW_SHOT_FRACTION (N - K) when the data have
+  too few points for their dimension; 0 if none works."""
+  usable = _nonsingular_components(stats, transform, within_var)
+  dof = int(np.sum(np.asarray(stats.count))) - stats.num_classes
+  if dof < _FEW_SHOT_RATIO * stats.dim:
+    usable = min(usable, int(FEW_SHOT_FRACTION * dof))
+  return max(usable, 0)
+
+
 @precision.float32_matmuls
 def _check_within_class(stats, model: str, preprocessed: bool, transform=None):
   """Rejects training data whose within-class covariance cannot carry the model.
@@ -310,11 +362,7 @@ def _check_within_class(stats, model: str, preprocessed: bool, transform=None):
   count = np.asarray(stats.count, np.float64)
   total = count.sum()
   num_classes, dim = stats.num_classes, stats.dim
-  if stats.pooled_scatter is not None:
-    pooled = np.asarray(stats.pooled_scatter, np.float64) / total
-    within_var = np.diag(pooled)
-  else:                     # the diagonal of the pooled scatter, summed per class
-    within_var = np.asarray(stats.sq_dev, np.float64).sum(axis=0) / total
+  within_var = _within_variances(stats)
   if not np.any(within_var > 0):
     singletons = int(np.sum(count == 1))
     which = ("every class has a single point" if singletons == num_classes else
@@ -327,12 +375,9 @@ def _check_within_class(stats, model: str, preprocessed: bool, transform=None):
   if model not in _HIERARCHICAL:
     return
   rtol = linalg.default_rtol(np.asarray(stats.sq_dev).dtype)
-  mean = np.asarray(stats.mean, np.float64)
-  centred = mean - count @ mean / total
-  total_var = within_var + np.einsum("k,kd->d", count, centred * centred) / total
   dof = int(total) - num_classes
   few = f"; N - K = {dof} < D = {dim}" if dof < dim else ""
-  flat = np.flatnonzero(within_var <= rtol * total_var)
+  flat = _flat_directions(stats)
   if flat.size:
     if preprocessed:
       what = (f"{flat.size} of the {dim} directions kept by the preprocessing have (almost) "
@@ -341,17 +386,18 @@ def _check_within_class(stats, model: str, preprocessed: bool, transform=None):
                  # The smallest eigenvalue of a sample covariance with dof degrees of
                  # freedom in D dimensions is ~(1 - sqrt(D / dof))^2 of its scale.
                  f"too few points per class for this many directions (N - K = {dof} is "
-                 f"close to D = {dim})" if dof < 1.25 * dim else
+                 f"close to D = {dim})" if dof < _FEW_SHOT_RATIO * dim else
                  "features, or combinations of features, that are constant within each "
                  "class but differ between classes (such as a feature that encodes the "
                  "label)"))
-      usable = 0 if transform is None else _nonsingular_components(stats, transform,
-                                                                    within_var)
+      usable = 0 if transform is None else _suggested_components(stats, transform,
+                                                                  within_var)
       fixes = []
       if usable:
         fixes.append(f"Use num_components={usable} (top principal components in which it "
-                     "is non-singular)")
-      if dof >= 1.25 * dim or not usable:
+                     "is non-singular" + (", at most 3/4 of N - K)"
+                                          if dof < _FEW_SHOT_RATIO * dim else ")"))
+      if dof >= _FEW_SHOT_RATIO * dim or not usable:
         fixes.append("remove the features responsible (a fit with preprocess=False names "
                      "single features that are constant within each class)")
       fix = ", or ".join(fixes)
@@ -366,6 +412,7 @@ def _check_within_class(stats, model: str, preprocessed: bool, transform=None):
         f"Sigma0, which must be non-singular, but {what}. {fix}, or use model='tied' or "
         "'rmds', which floor such directions.")
   if model in _NIW_MODELS and dim > 1:
+    pooled = np.asarray(stats.pooled_scatter, np.float64) / total
     scale = np.sqrt(within_var)
     corr = pooled / np.outer(scale, scale)
     eig = np.linalg.eigvalsh(0.5 * (corr + corr.T))
@@ -401,6 +448,45 @@ def _identical_classes_as_singletons(stats, model: str, stacklevel: int):
       "prior or the pooled covariance, as for a one-point class); remove exact duplicates "
       "to silence this warning.", IdenticalClassWarning, stacklevel=stacklevel + 1)
   return stats_lib.as_singletons(stats, which)
+
+
+def _few_shot_prepared(prep: "_Prepared", model: str, stacklevel: int) -> "_Prepared":
+  """``prep``, or for a hierarchical model whose Sigma0 is singular because the data have
+  too few points for the preprocessed dimension (N - K below 1.25 D'), the same data
+  prepared with ``_suggested_components`` top principal components (warns; two more
+  passes over the data, which are few here). Only when the caller left
+  ``num_components`` to the preprocessing; a caller's own choice is kept (and its error
+  suggests a number). Computed once per prepared data set (``fit_detectors``)."""
+  if (model not in _HIERARCHICAL or not prep.preprocess or prep.num_components is not None
+      or prep.transform is None):
+    return prep
+  if "few_shot" not in prep.reduced:
+    stats = prep.stats
+    stats = stats_lib.as_singletons(stats, stats_lib.identical_classes(stats))
+    dof = int(np.sum(np.asarray(stats.count))) - stats.num_classes
+    usable = 0
+    if dof < _FEW_SHOT_RATIO * stats.dim and _flat_directions(stats).size:
+      usable = _suggested_components(stats, prep.transform, _within_variances(stats))
+    reduced = None
+    if 0 < usable < stats.dim:
+      reduced = _prepare(prep.x, prep.y, num_classes=prep.num_classes, preprocess=True,
+                         num_components=usable, chunk_size=prep.chunk_size, full=prep.full,
+                         msp=False, pooled=prep.pooled)
+    prep.reduced["few_shot"] = (reduced, dof, stats.dim)
+  reduced, dof, dim = prep.reduced["few_shot"]
+  if reduced is None:
+    return prep
+  kept = reduced.stats.dim
+  warnings.warn(
+      f"Fitting the {model!r} model: N - K = {dof} training points beyond the class means "
+      f"are too few for the {dim} directions kept by the preprocessing (the average "
+      f"within-class covariance Sigma0 is singular in float precision), so the detector "
+      f"uses the top {kept} principal components (num_components={kept}: Sigma0 is "
+      "non-singular there, and they are at most 3/4 of N - K, which keeps its estimate "
+      "well conditioned). Pass num_components to choose, or use model='tied' or 'rmds', "
+      "which keep every direction with a floored variance.",
+      FewShotWarning, stacklevel=stacklevel + 1)
+  return reduced
 
 
 def _check_finite_params(det: "Detector"):
@@ -448,6 +534,12 @@ class _Prepared(NamedTuple):
   counts: np.ndarray                 # (K,) N_k before identical classes are de-duplicated
   chunk_size: int
   preprocess: bool
+  num_components: Any = None         # the caller's (None: chosen by the preprocessing)
+  full: bool = True
+  pooled: bool = True
+  # The same data prepared with fewer components for the hierarchical models, when the
+  # caller gave none and Sigma0 is singular (``_few_shot_prepared``); filled on demand.
+  reduced: Any = None
 
 
 def _prepare(x, y, *, num_classes, preprocess, num_components, chunk_size, full: bool,
@@ -487,13 +579,14 @@ def _prepare(x, y, *, num_classes, preprocess, num_components, chunk_size, full:
       finite_checked=True)
   validation.finite_stats(stats)
   return _Prepared(x, y, num_classes, transform, stats, np.asarray(stats.count), chunk_size,
-                   bool(preprocess))
+                   bool(preprocess), num_components, full, pooled or full, {})
 
 
 def _fit_prepared(prep: _Prepared, model: str, key, standard_errors: bool, options,
                   stacklevel: int):
   """Fits one model on prepared statistics; returns (Detector, FitReport) and warns.
   ``stacklevel``: of the warnings, counted from this function."""
+  prep = _few_shot_prepared(prep, model, stacklevel + 1)
   stats = prep.stats
   if model not in _FULL_STATS and stats.scatter is not None:
     stats = stats._replace(scatter=None)
