@@ -37,6 +37,12 @@ _FULL_STATS = ("indep_rmds", "full", "lowrank")
 _DIAGONAL_STATS = ("diag", "coupled", "msp", "temp_msp")
 # Models whose Sigma0 is the average within-class covariance (it must be non-singular).
 _HIERARCHICAL = ("full", "diag", "coupled", "lowrank")
+# DPMMs fitted on fewer top principal components when the data have too few points for
+# their preprocessed dimension (``_few_shot_prepared``). The tied model would floor the
+# flat directions instead, and known-class test points, which do vary along them, would
+# then score like outliers (K = 5, N_k = 30, D = 200: median score -1988 against 41.9
+# for the training points; benchmarks/RESULTS.md, session 23).
+_FEW_SHOT_MODELS = _HIERARCHICAL + ("tied",)
 # Hierarchical models with the NIW prior (full Sigma0, nu0 > D + 1): EM of ``full``.
 _NIW_MODELS = ("full", "lowrank")
 _MODULES = {"tied": tied, "full": full, "diag": diag, "coupled": coupled, "lowrank": lowrank}
@@ -451,14 +457,14 @@ def _identical_classes_as_singletons(stats, model: str, stacklevel: int):
 
 
 def _few_shot_prepared(prep: "_Prepared", model: str, stacklevel: int) -> "_Prepared":
-  """``prep``, or for a hierarchical model whose Sigma0 is singular because the data have
-  too few points for the preprocessed dimension (N - K below 1.25 D'), the same data
+  """``prep``, or for a DPMM (``_FEW_SHOT_MODELS``) whose Sigma0 is singular because the
+  data have too few points for the preprocessed dimension (N - K below 1.25 D'), the same data
   prepared with ``_suggested_components`` top principal components (warns; two more
   passes over the data, which are few here). Only when the caller left
   ``num_components`` to the preprocessing; a caller's own choice is kept (and its error
   suggests a number). Computed once per prepared data set (``fit_detectors``)."""
-  if (model not in _HIERARCHICAL or not prep.preprocess or prep.num_components is not None
-      or prep.transform is None):
+  if (model not in _FEW_SHOT_MODELS or not prep.preprocess
+      or prep.num_components is not None or prep.transform is None):
     return prep
   if "few_shot" not in prep.reduced:
     stats = prep.stats
@@ -483,8 +489,8 @@ def _few_shot_prepared(prep: "_Prepared", model: str, stacklevel: int) -> "_Prep
       f"within-class covariance Sigma0 is singular in float precision), so the detector "
       f"uses the top {kept} principal components (num_components={kept}: Sigma0 is "
       "non-singular there, and they are at most 3/4 of N - K, which keeps its estimate "
-      "well conditioned). Pass num_components to choose, or use model='tied' or 'rmds', "
-      "which keep every direction with a floored variance.",
+      "well conditioned). Pass num_components to choose, or use model='rmds', which "
+      "keeps every direction with a floored variance.",
       FewShotWarning, stacklevel=stacklevel + 1)
   return reduced
 
