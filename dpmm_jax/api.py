@@ -106,9 +106,9 @@ def _model_dim(det) -> int:
 
 class FewShotWarning(UserWarning):
   """Too few training points for the preprocessed dimension (N - K close to or below
-  D'): a hierarchical model was fitted on fewer top principal components, the most that
-  keep its Sigma0 non-singular (the message names the number; pass ``num_components``
-  to choose)."""
+  D'): a hierarchical or tied model was fitted on fewer top principal components, the
+  most that keep its Sigma0 non-singular, at most ``FEW_SHOT_FRACTION`` (N - K) (the
+  message names the number; pass ``num_components`` to choose)."""
 
 
 class FitDiagnosticWarning(UserWarning):
@@ -333,14 +333,20 @@ def _nonsingular_components(stats, transform, within_var) -> int:
 
 
 # With N - K below this many times the preprocessed dimension, the hierarchical models
-# get at most FEW_SHOT_FRACTION (N - K) top principal components.
+# and tied (``_FEW_SHOT_MODELS``) get at most FEW_SHOT_FRACTION (N - K) top principal
+# components.
 _FEW_SHOT_RATIO = 1.25
 # A sample covariance from n degrees of freedom in k dimensions has its smallest
-# eigenvalue shrunk by about (1 - sqrt(k / n))^2: 0.018 at k = 3n/4, 4e-4 at k = 0.96 n.
+# eigenvalue shrunk by about (1 - sqrt(k / n))^2: 0.018 at k = 3n/4, 3e-4 at k = 0.96 n.
 # Near the edge the fitted Sigma0 is nearly singular and the axis-aligned models rank
 # badly: K = 20, N_k = 8, D = 512 (N - K = 140) scored AUROC 0.83 (coupled, diag) with
 # 135 components and 1.000 with 121, 105 or 70 (benchmarks/RESULTS.md, session 23).
 FEW_SHOT_FRACTION = 0.75
+
+
+def _within_dof(stats) -> int:
+  """N - K: the degrees of freedom of the pooled within-class scatter."""
+  return int(np.sum(np.asarray(stats.count))) - stats.num_classes
 
 
 def _suggested_components(stats, transform, within_var) -> int:
@@ -349,7 +355,7 @@ def _suggested_components(stats, transform, within_var) -> int:
   (``_nonsingular_components``), at most FEW_SHOT_FRACTION (N - K) when the data have
   too few points for their dimension; 0 if none works."""
   usable = _nonsingular_components(stats, transform, within_var)
-  dof = int(np.sum(np.asarray(stats.count))) - stats.num_classes
+  dof = _within_dof(stats)
   if dof < _FEW_SHOT_RATIO * stats.dim:
     usable = min(usable, int(FEW_SHOT_FRACTION * dof))
   return max(usable, 0)
@@ -381,7 +387,7 @@ def _check_within_class(stats, model: str, preprocessed: bool, transform=None):
   if model not in _HIERARCHICAL:
     return
   rtol = linalg.default_rtol(np.asarray(stats.sq_dev).dtype)
-  dof = int(total) - num_classes
+  dof = _within_dof(stats)
   few = f"; N - K = {dof} < D = {dim}" if dof < dim else ""
   flat = _flat_directions(stats)
   if flat.size:
@@ -401,7 +407,7 @@ def _check_within_class(stats, model: str, preprocessed: bool, transform=None):
       fixes = []
       if usable:
         fixes.append(f"Use num_components={usable} (top principal components in which it "
-                     "is non-singular" + (", at most 3/4 of N - K)"
+                     "is non-singular" + (f", at most {FEW_SHOT_FRACTION:g} (N - K))"
                                           if dof < _FEW_SHOT_RATIO * dim else ")"))
       if dof >= _FEW_SHOT_RATIO * dim or not usable:
         fixes.append("remove the features responsible (a fit with preprocess=False names "
@@ -469,7 +475,7 @@ def _few_shot_prepared(prep: "_Prepared", model: str, stacklevel: int) -> "_Prep
   if "few_shot" not in prep.reduced:
     stats = prep.stats
     stats = stats_lib.as_singletons(stats, stats_lib.identical_classes(stats))
-    dof = int(np.sum(np.asarray(stats.count))) - stats.num_classes
+    dof = _within_dof(stats)
     usable = 0
     if dof < _FEW_SHOT_RATIO * stats.dim and _flat_directions(stats).size:
       usable = _suggested_components(stats, prep.transform, _within_variances(stats))
@@ -488,9 +494,9 @@ def _few_shot_prepared(prep: "_Prepared", model: str, stacklevel: int) -> "_Prep
       f"are too few for the {dim} directions kept by the preprocessing (the average "
       f"within-class covariance Sigma0 is singular in float precision), so the detector "
       f"uses the top {kept} principal components (num_components={kept}: Sigma0 is "
-      "non-singular there, and they are at most 3/4 of N - K, which keeps its estimate "
-      "well conditioned). Pass num_components to choose, or use model='rmds', which "
-      "keeps every direction with a floored variance.",
+      f"non-singular there, and they are at most {FEW_SHOT_FRACTION:g} (N - K), which "
+      "keeps its estimate well conditioned). Pass num_components to choose, or use "
+      "model='rmds', which keeps every direction with a floored variance.",
       FewShotWarning, stacklevel=stacklevel + 1)
   return reduced
 

@@ -16,6 +16,7 @@ import scipy.special
 import scipy.stats
 
 import dpmm_jax
+from dpmm_jax import api
 from dpmm_jax import metrics
 from dpmm_jax import preprocess
 from dpmm_jax import quadrature
@@ -383,22 +384,30 @@ def test_classes_smaller_than_the_dimension_use_the_prior(model):
   _finite_scores(_fit(x, y, model), x_test)
 
 
+def _few_shot_components(dof):
+  """The few-shot cap on the components, int(FEW_SHOT_FRACTION (N - K)) (binding in the
+  tests below: the non-singular bound is larger there)."""
+  return int(api.FEW_SHOT_FRACTION * dof)
+
+
 @pytest.mark.parametrize("model", HIERARCHICAL + ("tied",))
 def test_too_few_points_for_the_dimension_fit_the_top_components_with_a_warning(model):
   # N - K = 2 * 3 - 3 = 3 < D = 4: Sigma0 is singular in the 4 preprocessed directions.
-  # By default the DPMMs then keep the top int(0.75 * 3) = 2 principal components and
-  # warn; a caller's own num_components is kept (too many: for the hierarchical models
-  # an error that suggests the number, while tied floors the flat directions).
+  # By default the DPMMs then keep the top int(FEW_SHOT_FRACTION * 3) = 2 principal
+  # components and warn; a caller's own num_components is kept (too many: for the
+  # hierarchical models an error that suggests the number, while tied floors the flat
+  # directions).
   x, y, x_test = _blobs(seed=3, per_class=2)
-  with pytest.warns(dpmm_jax.FewShotWarning, match=r"N - K = 3 training points .* the 4 "
-                                                   r"directions .* top 2 principal"):
+  kept = _few_shot_components(3)
+  with pytest.warns(dpmm_jax.FewShotWarning, match=rf"N - K = 3 training points .* the 4 "
+                                                   rf"directions .* top {kept} principal"):
     det = dpmm_jax.fit_detector(x, y, model)
-  assert det.transform.projection.shape == (D, 2)
+  assert det.transform.projection.shape == (D, kept)
   _finite_scores(det, x_test)
   if model == "tied":
     assert _fit(x, y, model, num_components=4).transform.projection.shape == (D, 4)
   else:
-    with pytest.raises(ValueError, match=r"N - K = 3 < D = 4.*num_components=2 \(top"):
+    with pytest.raises(ValueError, match=rf"N - K = 3 < D = 4.*num_components={kept} \(top"):
       dpmm_jax.fit_detector(x, y, model, num_components=4)
   _finite_scores(_fit(x, y, model, num_components=3), x_test)
 
@@ -413,7 +422,8 @@ def test_few_shot_tied_scores_known_class_points_like_training_points():
   y = np.repeat(np.arange(5), 30)
   draw = lambda k: (mu[k] + rng.normal(size=(len(k), 200))).astype(np.float32)
   x, known, unseen = draw(y), draw(rng.integers(0, 5, 50)), draw(rng.integers(5, 15, 50))
-  with pytest.warns(dpmm_jax.FewShotWarning, match="top 108 principal components"):
+  with pytest.warns(dpmm_jax.FewShotWarning,
+                    match=f"top {_few_shot_components(145)} principal components"):
     det = dpmm_jax.fit_detector(x, y, "tied")
   train, inside, outside = (np.median(np.asarray(dpmm_jax.score(det, a)))
                             for a in (x, known, unseen))
@@ -429,8 +439,9 @@ def test_few_shot_reduction_is_per_model_in_fit_detectors():
     warnings.simplefilter("ignore", dpmm_jax.FewShotWarning)
     both = dpmm_jax.fit_detectors(x, y, ("diag", "coupled", "rmds"))
     alone = dpmm_jax.fit_detector(x, y, "diag")
-  assert both["diag"].transform.projection.shape == (D, 2)
-  assert both["coupled"].transform.projection.shape == (D, 2)
+  kept = _few_shot_components(3)
+  assert both["diag"].transform.projection.shape == (D, kept)
+  assert both["coupled"].transform.projection.shape == (D, kept)
   assert both["rmds"].transform.projection.shape == (D, D)
   np.testing.assert_array_equal(dpmm_jax.score(both["diag"], x_test),
                                 dpmm_jax.score(alone, x_test))
@@ -441,17 +452,18 @@ def test_the_suggested_num_components_is_one_that_fits():
   Near N - K the fit is decided by round-off (with the caller's num_components: 86
   components fail, 85 and 88 fit), so N - K, the suggestion before session 23, is no safe
   answer. The error for a caller's 99 components suggests the most top principal
-  components that keep Sigma0 non-singular with a margin, at most 3/4 of N - K (67), and
-  the default fit uses that number."""
+  components that keep Sigma0 non-singular with a margin, at most FEW_SHOT_FRACTION
+  (N - K) (67), and the default fit uses that number."""
   rng = np.random.default_rng(1)
   y = np.repeat(np.arange(10), 10)
   x = (2.0 * rng.normal(size=(10, 256))[y] + rng.normal(size=(100, 256))).astype(np.float32)
-  with pytest.raises(ValueError, match=r"N - K = 90 < D = 99.*Use num_components=67 "
+  kept = _few_shot_components(90)
+  with pytest.raises(ValueError, match=rf"N - K = 90 < D = 99.*Use num_components={kept} "
                                        r"\(top principal"):
     dpmm_jax.fit_detector(x, y, "diag", num_components=99)
-  with pytest.warns(dpmm_jax.FewShotWarning, match="top 67 principal components"):
+  with pytest.warns(dpmm_jax.FewShotWarning, match=f"top {kept} principal components"):
     det = dpmm_jax.fit_detector(x, y, "diag")
-  assert det.transform.projection.shape == (256, 67)
+  assert det.transform.projection.shape == (256, kept)
   _finite_scores(det, x[:20] + 0.1)
 
 
