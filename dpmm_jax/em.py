@@ -49,7 +49,9 @@ from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from dpmm_jax import stats as stats_lib
 from dpmm_jax.newton import NewtonInfo
 
 
@@ -414,9 +416,48 @@ def jit_fit(fit_hyper: Callable, params_from_hyper: Callable, static_argnames=()
   return jax.jit(fit, static_argnames=("trace_length",) + tuple(static_argnames))
 
 
-def run_jitted_fit(jitted_fit: Callable, stats, *, max_iter: int, **options):
+# Statistics padded with empty classes hold at most this many elements (16 MB in
+# float32); larger problems are fitted at their own K (their compilation is a small part
+# of the fit, and padding would copy the per-class scatter).
+PADDED_STATS_MAX_ELEMENTS = 1 << 22
+
+
+def padded_num_classes(num_classes: int, elements_per_class: int) -> int:
+  """The K a jitted fit is compiled for: 8 for K <= 8, above that K rounded up to a
+  multiple of 2^(ceil(log2 K) - 3) (10, 12, ..., 16, 20, 24, ..., 32, 40, ...; less
+  than 1/4 more classes), so that nearby class counts share one compiled fit; K itself
+  when the padded statistics would hold more than ``PADDED_STATS_MAX_ELEMENTS``."""
+  if num_classes <= 8:
+    padded = 8
+  else:
+    step = 1 << ((num_classes - 1).bit_length() - 3)
+    padded = -(-num_classes // step) * step
+  if padded * elements_per_class > PADDED_STATS_MAX_ELEMENTS:
+    return num_classes
+  return padded
+
+
+@functools.partial(jax.jit, static_argnames=("num_classes",))
+def _first_classes(per_class, num_classes: int):
+  return jax.tree_util.tree_map(lambda a: a[:num_classes], per_class)
+
+
+def run_jitted_fit(jitted_fit: Callable, stats, *, max_iter: int,
+                   class_fields: Tuple[str, ...], **options):
   """Calls a :func:`jit_fit` function with the trace length for ``max_iter`` (a Python
-  int) and returns (Params, EMInfo) with traces of length max_iter + 1."""
-  params, info = jitted_fit(stats, max_iter=max_iter, trace_length=trace_length(max_iter),
+  int) and returns (Params, EMInfo) with traces of length max_iter + 1.
+
+  The statistics are padded with empty classes to ``padded_num_classes`` (EM leaves
+  empty classes out of its sums: ``stats.class_weights``), and the Params fields named
+  in ``class_fields`` (those with a leading class axis) are cut back to the K classes.
+  """
+  num_classes = stats.num_classes
+  per_class = sum(int(np.prod(a.shape[1:])) for a in
+                  (stats.count, stats.mean, stats.sq_dev, stats.scatter) if a is not None)
+  padded = stats_lib.pad_classes(stats, padded_num_classes(num_classes, per_class))
+  params, info = jitted_fit(padded, max_iter=max_iter, trace_length=trace_length(max_iter),
                             **options)
+  if padded.num_classes != num_classes:
+    kept = _first_classes({f: getattr(params, f) for f in class_fields}, num_classes)
+    params = params._replace(**kept)
   return params, _trim(info, max_iter + 1)

@@ -488,6 +488,46 @@ def from_arrays(x, y, num_classes: int, full: bool = True,
 
 
 # ----------------------------------------------------------------------------- derived
+def class_weights(stats: SufficientStats):
+  """(K,) 1 for a class with points, 0 for an empty one.
+
+  An empty class adds nothing to the marginal likelihood p(X | y, hyper), so the EM
+  M-steps weight their sums over classes by this (an empty class would otherwise enter
+  them at its prior expectations: the same fixed points, reached more slowly). Empty
+  classes are also how ``pad_classes`` pads K for shared compilations.
+  """
+  return (stats.count > 0).astype(stats.mean.dtype)
+
+
+def nonempty_terms(count, terms):
+  """``terms`` (K, ...) per class with the rows of empty classes (count 0) set to 0."""
+  count = jnp.reshape(count, count.shape + (1,) * (jnp.ndim(terms) - count.ndim))
+  return jnp.where(count > 0, terms, jnp.zeros_like(terms))
+
+
+def num_nonempty_classes(stats: SufficientStats):
+  """() number of classes with points (a traced float; K when none is empty)."""
+  return jnp.sum(class_weights(stats))
+
+
+def mean_class_count(stats: SufficientStats):
+  """() mean N_k over the classes with points."""
+  return total_count(stats) / num_nonempty_classes(stats)
+
+
+def pad_classes(stats: SufficientStats, num_classes: int) -> SufficientStats:
+  """``stats`` with empty classes (count, mean, deviations and scatter 0) appended up to
+  ``num_classes``; the pooled scatter is unchanged."""
+  extra = num_classes - stats.num_classes
+  if extra < 0:
+    raise ValueError(f"Cannot pad {stats.num_classes} classes down to {num_classes}.")
+  if extra == 0:
+    return stats
+  pad = lambda a: None if a is None else jnp.pad(a, [(0, extra)] + [(0, 0)] * (a.ndim - 1))
+  return stats._replace(count=pad(stats.count), mean=pad(stats.mean),
+                        sq_dev=pad(stats.sq_dev), scatter=pad(stats.scatter))
+
+
 def total_count(stats: SufficientStats):
   return jnp.sum(stats.count)
 

@@ -20,7 +20,8 @@ import dpmm_jax
 from dpmm_jax import em
 from dpmm_jax import stats as stats_lib
 from dpmm_jax import synthetic
-from dpmm_jax.models import coupled, diag, full
+from dpmm_jax.conjugate import nix
+from dpmm_jax.models import coupled, diag, full, lowrank
 
 MODELS = {"full": full, "diag": diag, "coupled": coupled}
 REL_SLACK = 1e-5
@@ -314,3 +315,87 @@ def test_rejected_boundary_candidates_leave_the_em_path_unchanged():
   # Both runs stop on the same rule; near the optimum float32 EM moves along a flat
   # direction of L, so the end points agree in L to the stopping tolerance, not in nu0.
   assert abs(trace[-1] - plain_trace[-1]) <= 10 * tol * abs(plain_trace[-1])
+
+
+# ------------------------------------------------- empty classes and padded class counts
+PADDED_MODELS = dict(MODELS, lowrank=lowrank)
+
+
+def _with_empty_class(st, at):
+  """``st`` with an empty class (no points) inserted at index ``at``."""
+  insert = lambda a: None if a is None else jnp.insert(a, at, 0.0, axis=0)
+  return st._replace(count=insert(st.count), mean=insert(st.mean), sq_dev=insert(st.sq_dev),
+                     scatter=insert(st.scatter))
+
+
+def _class_rows(module, params, rows):
+  return {f: jax.tree_util.tree_map(lambda a: np.asarray(a)[rows], getattr(params, f))
+          for f in module.CLASS_FIELDS}
+
+
+@pytest.mark.parametrize("name", sorted(PADDED_MODELS))
+def test_an_empty_class_changes_nothing(name):
+  """An empty class adds nothing to p(X | y, hyper): EM leaves it out of its sums, so the
+  fit with an empty class inserted (K = 21, compiled for 24 classes) equals the fit
+  without it (K = 20, compiled for 20) and the other classes' predictive parameters are
+  unchanged. Without the weights the empty class would enter the M-step at its prior
+  expectations (its raw E-step terms are not zero), which moved the EM end point."""
+  module = PADDED_MODELS[name]
+  st = _synthetic_stats(1, name in ("full", "lowrank"))
+  at = 7
+  st_empty = _with_empty_class(st, at)
+  params, info = module.fit(st)
+  params_e, info_e = module.fit(st_empty)
+  assert int(info_e.num_iters) == int(info.num_iters) and bool(info_e.converged)
+  for got, want in zip(params_e.hyper, params.hyper):
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+  kept = [k for k in range(K + 1) if k != at]
+  want_rows = _class_rows(module, params, np.arange(K))
+  got_rows = _class_rows(module, params_e, np.array(kept))
+  chex.assert_trees_all_close(got_rows, want_rows, rtol=1e-5, atol=1e-6)
+  assert np.isneginf(float(params_e.log_counts[at]))
+  if name == "lowrank":
+    return
+  # The marginal likelihood ignores the empty class; its raw E-step terms do not vanish.
+  lml = module.log_marginal_likelihood
+  np.testing.assert_allclose(float(lml(params.hyper, st_empty)), float(lml(params.hyper, st)),
+                             rtol=1e-6)
+  if name == "full":
+    maha = full._class_terms(params.hyper, st_empty)[0]
+  else:
+    hyper = coupled._as_diag(params.hyper) if name == "coupled" else params.hyper
+    maha = nix.expectations(diag._posterior(hyper, st_empty), hyper.loc).mahalanobis
+  assert float(jnp.min(jnp.abs(maha[at]))) > 0.0
+
+
+@pytest.mark.parametrize("name", sorted(PADDED_MODELS))
+def test_nearby_class_counts_share_one_compiled_fit(name):
+  """K = 17..20 are fitted by one program compiled for 20 classes; K = 16 needs another
+  (16). Each fit returns K classes."""
+  module = PADDED_MODELS[name]
+  st = _synthetic_stats(2, name in ("full", "lowrank"))
+  take = lambda a, k: None if a is None else a[:k]
+  sizes = []
+  for k in (17, 19, 20, 16):
+    sub = st._replace(count=st.count[:k], mean=st.mean[:k], sq_dev=st.sq_dev[:k],
+                      scatter=take(st.scatter, k))
+    params, info = module.fit(sub)
+    sizes.append(module._fit._cache_size())
+    assert bool(info.converged)
+    assert params.log_counts.shape == (k,)
+    for field in module.CLASS_FIELDS:
+      for leaf in jax.tree_util.tree_leaves(getattr(params, field)):
+        assert leaf.shape[0] == k, (field, leaf.shape)
+  assert sizes[1] == sizes[2] == sizes[0] and sizes[3] == sizes[0] + 1, sizes
+
+
+def test_padded_class_counts():
+  padded = lambda k: em.padded_num_classes(k, 1)
+  assert [padded(k) for k in (1, 2, 8, 9, 10, 11, 16, 17, 20, 21, 33, 100, 1000)] == [
+      8, 8, 8, 10, 10, 12, 16, 20, 20, 24, 40, 112, 1024]
+  # Less than 1/4 extra above 8 classes; never padded past the element budget.
+  for k in range(9, 3000):
+    assert k <= padded(k) < k * 5 / 4
+  big = em.PADDED_STATS_MAX_ELEMENTS // 100
+  assert em.padded_num_classes(100, big) == 100
+  assert em.padded_num_classes(100, em.PADDED_STATS_MAX_ELEMENTS // 112) == 112

@@ -78,6 +78,11 @@ class Params(NamedTuple):
   prior_tail: "TailTerms"
 
 
+# Params fields with a leading class axis (``em.run_jitted_fit`` cuts them to K).
+CLASS_FIELDS = ("class_df", "class_loc", "class_scale_sq", "class_log_weights", "log_counts",
+                "class_tail")
+
+
 def init_hyper(stats, df=None, mean_concentration=None, gamma_shape=None) -> Hyper:
   base = diag.init_hyper(stats, df, mean_concentration)
   gamma_shape = 10.0 if gamma_shape is None else gamma_shape
@@ -159,7 +164,8 @@ def class_grid(hyper: Hyper, stats, num_nodes: int, half_width: float):
 def log_marginal_terms(hyper: Hyper, stats, options=QuadratureOptions()):
   """(K,) log p(X_k | hyper), integrated over log gamma_k on the class grid."""
   grid = class_grid(hyper, stats, options.em_nodes, options.em_half_width)
-  return quadrature.log_integral(grid, class_log_joint(hyper, stats, grid.nodes))
+  return stats_lib.nonempty_terms(
+      stats.count, quadrature.log_integral(grid, class_log_joint(hyper, stats, grid.nodes)))
 
 
 def log_marginal_likelihood(hyper: Hyper, stats, options=QuadratureOptions()):
@@ -181,12 +187,14 @@ def em_step(hyper: Hyper, stats, *, df_cap=1e6, shape_cap=1e6,
   gamma = jnp.exp(grid.nodes)
   _, post = _node_posteriors(hyper, stats, gamma)
   kappa0, df, df_info = diag.update_concentrations(
-      hyper, weights, post, gamma[..., None] * hyper.var, stats.num_classes, df_cap=df_cap)
+      hyper, weights, post, gamma[..., None] * hyper.var, stats.count, df_cap=df_cap)
   # E[log g - g + 1] = E[u - expm1(u)], cancellation-free near gamma = 1.
-  shape_stat = jnp.sum(weights * (grid.nodes - jnp.expm1(grid.nodes)))
+  shape_stat = jnp.sum(stats_lib.nonempty_terms(
+      stats.count, weights * (grid.nodes - jnp.expm1(grid.nodes))))
   shape, shape_info = newton.maximize(
       functools.partial(gamma_shape_derivatives, stat_sum=shape_stat,
-                        num_classes=stats.num_classes), hyper.gamma_shape, upper=shape_cap)
+                        num_classes=stats_lib.num_nonempty_classes(stats)),
+      hyper.gamma_shape, upper=shape_cap)
   new = Hyper(hyper.loc, hyper.var, df, kappa0, shape)
   return new, em.merge_newton_info(df_info, shape_info)
 
@@ -550,16 +558,21 @@ _fit = em.jit_fit(fit_hyper, params_from_hyper, static_argnames=("options",))
 
 def fit(stats, *, df=None, mean_concentration=None, gamma_shape=None, tol=1e-6,
         max_iter=100, df_cap=1e6, options=QuadratureOptions(), accelerate=True):
-  """Fits by EM: (Params, EMInfo). One compilation per shape and options serves every
-  max_iter up to 127 (``em.trace_length``). ``accelerate``: SQUAREM-accelerated EM
-  (default) or plain EM (False), from the same compiled fit."""
+  """Fits by EM: (Params, EMInfo). One compilation per shape (K padded with empty
+  classes, ``em.padded_num_classes``) and options serves every max_iter up to 127
+  (``em.trace_length``). ``accelerate``: SQUAREM-accelerated EM (default) or plain EM
+  (False), from the same compiled fit."""
   checks.em_options(tol, max_iter)
   checks.positive_or_none(df, "df")
   checks.positive_or_none(mean_concentration, "mean_concentration")
   checks.positive_or_none(gamma_shape, "gamma_shape")
+  # Only count, mean and sq_dev are used: one compiled fit serves statistics with and
+  # without the (pooled) scatter.
+  stats = stats._replace(scatter=None, pooled_scatter=None)
   return em.run_jitted_fit(_fit, stats, df=df, mean_concentration=mean_concentration,
                            gamma_shape=gamma_shape, tol=tol, max_iter=max_iter,
-                           df_cap=df_cap, options=options, accelerate=accelerate)
+                           df_cap=df_cap, options=options, accelerate=accelerate,
+                           class_fields=CLASS_FIELDS)
 
 
 def scale_mixture_log_density(x, df, loc, scale_sq, log_weights):

@@ -36,10 +36,14 @@ class Params(NamedTuple):
   log_counts: jax.Array
 
 
+# Params fields with a leading class axis (``em.run_jitted_fit`` cuts them to K).
+CLASS_FIELDS = ("class_df", "class_loc", "class_scale_sq", "log_counts")
+
+
 def init_hyper(stats: stats_lib.SufficientStats, df=None, mean_concentration=None) -> Hyper:
   """mu0 = global mean, s0^2 = pooled within-class variances, nu0 ~ mean N_k, kappa0 small."""
   dim, dtype = stats.dim, stats.mean.dtype
-  df = jnp.mean(stats.count) if df is None else df
+  df = stats_lib.mean_class_count(stats) if df is None else df
   mean_concentration = 1e-3 if mean_concentration is None else mean_concentration
   return Hyper(stats_lib.global_mean(stats), stats_lib.pooled_variance(stats),
                jnp.broadcast_to(jnp.asarray(df, dtype), (dim,)),
@@ -55,7 +59,7 @@ def _posterior(hyper: Hyper, stats):
 
 
 @precision.float32_matmuls
-def update_concentrations(hyper, posterior_weights, post, prior_scale_sq, num_classes, *,
+def update_concentrations(hyper, posterior_weights, post, prior_scale_sq, count, *,
                           df_cap=1e6, newton_tol=1e-6, newton_max_iter=100):
   """M-step shared with the coupled model.
 
@@ -65,6 +69,7 @@ def update_concentrations(hyper, posterior_weights, post, prior_scale_sq, num_cl
       coupled model) or None (diagonal model, ``post`` is (K, D)).
     post: NIX posterior, (K, D) or (K, P, D).
     prior_scale_sq: s0^2 (broadcast like ``post``), times gamma for the coupled model.
+    count: (K,) N_k; empty classes (N_k = 0) are left out of the sums.
   Returns:
     (kappa0 (D,), nu0 (D,), NewtonInfo).
   """
@@ -73,6 +78,8 @@ def update_concentrations(hyper, posterior_weights, post, prior_scale_sq, num_cl
   if posterior_weights is not None:
     maha = jnp.einsum("kp,kpd->kd", posterior_weights, maha)
     stat = jnp.einsum("kp,kpd->kd", posterior_weights, stat)
+  maha, stat = (stats_lib.nonempty_terms(count, a) for a in (maha, stat))
+  num_classes = jnp.sum(count > 0).astype(maha.dtype)
   kappa0 = num_classes / jnp.sum(maha, 0)                           # paper 14.2
   derivs = functools.partial(nix.df_derivatives, stat_sum=jnp.sum(stat, 0),
                              num_classes=num_classes)
@@ -83,14 +90,16 @@ def update_concentrations(hyper, posterior_weights, post, prior_scale_sq, num_cl
 
 def em_step(hyper: Hyper, stats, *, df_cap=1e6):
   post = _posterior(hyper, stats)
-  kappa0, df, info = update_concentrations(hyper, None, post, hyper.var, stats.num_classes,
+  kappa0, df, info = update_concentrations(hyper, None, post, hyper.var, stats.count,
                                            df_cap=df_cap)
   return hyper._replace(df=df, mean_concentration=kappa0), info
 
 
 def log_marginal_terms(hyper: Hyper, stats):
-  """(K, D) log p(X_{k,d} | hyper), each cancellation-free (``nix.log_evidence``)."""
-  return nix.log_evidence(_prior(hyper), stats.count, stats.mean, stats.sq_dev)
+  """(K, D) log p(X_{k,d} | hyper), each cancellation-free (``nix.log_evidence``); 0
+  for an empty class."""
+  return stats_lib.nonempty_terms(
+      stats.count, nix.log_evidence(_prior(hyper), stats.count, stats.mean, stats.sq_dev))
 
 
 def log_marginal_likelihood(hyper: Hyper, stats):
@@ -135,14 +144,19 @@ _fit = em.jit_fit(fit_hyper, params_from_hyper)
 
 def fit(stats, *, df=None, mean_concentration=None, tol=1e-6, max_iter=100, df_cap=1e6,
         accelerate=True):
-  """Fits by EM: (Params, EMInfo). One compilation per shape serves every max_iter up to
-  127 (``em.trace_length``). ``accelerate``: SQUAREM-accelerated EM (default) or plain
-  EM (False), from the same compiled fit."""
+  """Fits by EM: (Params, EMInfo). One compilation per shape (K padded with empty
+  classes, ``em.padded_num_classes``) serves every max_iter up to 127
+  (``em.trace_length``). ``accelerate``: SQUAREM-accelerated EM (default) or plain EM
+  (False), from the same compiled fit."""
   checks.em_options(tol, max_iter)
   checks.positive_or_none(df, "df")
   checks.positive_or_none(mean_concentration, "mean_concentration")
+  # Only count, mean and sq_dev are used: one compiled fit serves statistics with and
+  # without the (pooled) scatter.
+  stats = stats._replace(scatter=None, pooled_scatter=None)
   return em.run_jitted_fit(_fit, stats, df=df, mean_concentration=mean_concentration,
-                           tol=tol, max_iter=max_iter, df_cap=df_cap, accelerate=accelerate)
+                           tol=tol, max_iter=max_iter, df_cap=df_cap, accelerate=accelerate,
+                           class_fields=CLASS_FIELDS)
 
 
 def product_t_block(x, per_class):

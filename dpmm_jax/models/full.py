@@ -44,12 +44,16 @@ class Params(NamedTuple):
   log_counts: jax.Array
 
 
+# Params fields with a leading class axis (``em.run_jitted_fit`` cuts them to K).
+CLASS_FIELDS = ("class_pred", "log_counts")
+
+
 def init_hyper(stats: stats_lib.SufficientStats, df=None, mean_concentration=None) -> Hyper:
   """The paper's initialisation: nu0 ~ mean N_k (kept above D + 1), kappa0 small."""
   dim = stats.dim
   dtype = stats.mean.dtype
   if df is None:
-    df = jnp.maximum(jnp.mean(stats.count), dim + 2.0)
+    df = jnp.maximum(stats_lib.mean_class_count(stats), dim + 2.0)
   if mean_concentration is None:
     mean_concentration = 1e-3
   return Hyper(stats_lib.global_mean(stats), stats_lib.pooled_covariance(stats),
@@ -93,10 +97,13 @@ def _class_terms(hyper: Hyper, stats):
                            _em_block_size(stats.num_classes, dim))
 
 
-def _m_step(hyper: Hyper, maha, stat_sum, num_classes, dim, df_cap, newton_tol,
-            newton_max_iter):
+def _m_step(hyper: Hyper, count, maha, stat, dim, df_cap, newton_tol, newton_max_iter):
+  """kappa0 in closed form and nu0 by Newton from the (K,) E-step terms (empty classes,
+  count 0, left out)."""
+  maha, stat = (stats_lib.nonempty_terms(count, a) for a in (maha, stat))
+  num_classes = jnp.sum(count > 0).astype(maha.dtype)
   kappa0 = num_classes * dim / jnp.sum(maha)                        # paper 13.2 (with D)
-  derivs = functools.partial(niw.df_derivatives, stat_sum=stat_sum,
+  derivs = functools.partial(niw.df_derivatives, stat_sum=jnp.sum(stat),
                              num_classes=num_classes, dim=dim)
   df, info = newton.maximize(derivs, hyper.df, offset=dim + 1.0, upper=df_cap,
                              tol=newton_tol, max_iter=newton_max_iter)
@@ -111,13 +118,13 @@ def em_step(hyper: Hyper, stats, *, df_cap=1e6, newton_tol=1e-6, newton_max_iter
   spectral iteration (``spectral_summary``), whose iterations cost O(K D).
   """
   maha, stat, _ = _class_terms(hyper, stats)
-  return _m_step(hyper, maha, jnp.sum(stat), stats.num_classes, stats.dim, df_cap,
-                 newton_tol, newton_max_iter)
+  return _m_step(hyper, stats.count, maha, stat, stats.dim, df_cap, newton_tol,
+                 newton_max_iter)
 
 
 def log_marginal_likelihood(hyper: Hyper, stats):
   """log p(X | y, hyper) summed over classes (paper 13.4)."""
-  return jnp.sum(_class_terms(hyper, stats)[2])
+  return jnp.sum(stats_lib.nonempty_terms(stats.count, _class_terms(hyper, stats)[2]))
 
 
 # ------------------------------------------------------------- spectral EM iteration
@@ -279,16 +286,17 @@ def fit_hyper(stats, *, df=None, mean_concentration=None, tol=1e-6, max_iter=100
   ``accelerate`` (default True; may be traced) turns on SQUAREM in ``em.run``.
   """
   init = init_hyper(stats, df, mean_concentration)
-  dim, num_classes = stats.dim, stats.num_classes
+  dim = stats.dim
   summary = spectral_summary(stats, init.loc, init.mean_cov)
   log_det_mean_cov = linalg.chol_log_det(jnp.linalg.cholesky(init.mean_cov))
 
   def step(hyper, summary_):
     maha, stat, _, _ = _spectral_terms(hyper, summary_, dim)
-    return _m_step(hyper, maha, jnp.sum(stat), num_classes, dim, df_cap, 1e-6, 100)
+    return _m_step(hyper, summary_.count, maha, stat, dim, df_cap, 1e-6, 100)
 
   def lml(hyper, summary_):   # (K,) terms; em.run sums them
-    return _spectral_log_marginal(hyper, summary_, dim, log_det_mean_cov)
+    return stats_lib.nonempty_terms(
+        summary_.count, _spectral_log_marginal(hyper, summary_, dim, log_det_mean_cov))
 
   # Boundary proposal for em.run, the diagonal model's with nu0's cap shifted by D + 1:
   # nu0 (kappa0) moves onto D + 1 + df_cap (KAPPA_CAP) when the slope there is positive.
@@ -339,7 +347,8 @@ def fit(stats, *, df=None, mean_concentration=None, tol=1e-6, max_iter=100, df_c
   """
   check_fit_arguments(stats, tol, max_iter, df, mean_concentration)
   return em.run_jitted_fit(_fit, stats, df=df, mean_concentration=mean_concentration,
-                           tol=tol, max_iter=max_iter, df_cap=df_cap, accelerate=accelerate)
+                           tol=tol, max_iter=max_iter, df_cap=df_cap, accelerate=accelerate,
+                           class_fields=CLASS_FIELDS)
 
 
 # ---------------------------------------------------------------------------- scoring

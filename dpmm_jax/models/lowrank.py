@@ -78,6 +78,10 @@ class Params(NamedTuple):
   log_counts: jax.Array
 
 
+# Params fields with a leading class axis (``em.run_jitted_fit`` cuts them to K).
+CLASS_FIELDS = ("loc", "factors", "scale", "df", "log_normalizer", "num_spikes", "log_counts")
+
+
 def noise_edge(count, dim: int):
   """(K,) Marchenko-Pastur upper edge of the scatter of N_k points drawn with identity
   covariance: ``(sqrt(N_k - 1) + sqrt(D))^2`` (the largest eigenvalue's limit)."""
@@ -160,7 +164,8 @@ def fit(stats, *, df=None, mean_concentration=None, tol=1e-6, max_iter=100, df_c
   checks.non_negative(edge_scale, "edge_scale")
   return em.run_jitted_fit(_fit, stats, df=df, mean_concentration=mean_concentration,
                            tol=tol, max_iter=max_iter, df_cap=df_cap, accelerate=accelerate,
-                           max_rank=max_rank, edge_scale=edge_scale)
+                           max_rank=max_rank, edge_scale=edge_scale,
+                           class_fields=CLASS_FIELDS)
 
 
 def scoring_flops(num_points: int, num_classes: int, dim: int, max_rank: int) -> float:
