@@ -322,24 +322,15 @@ def run_row(m, k, d, n, workdir, chunk_rows, block_size, score_chunk, peak, log,
   # full: one-time spectral reduction, O(K D) iterations, predictive factors.
   h0 = full.init_hyper(st)
   summary, w1, c1 = compiled_run(jax.jit(full.spectral_summary), st, h0.loc, h0.mean_cov)
-  log_det = full.linalg.chol_log_det(jnp.linalg.cholesky(h0.mean_cov))
 
   @jax.jit
-  def full_em(summary, h0, log_det, accelerate):
-    dim, num_classes = d, k
-
-    def step(hyper, s):
-      maha, stat, _, _ = full._spectral_terms(hyper, s, dim)
-      return full._m_step(hyper, maha, jnp.sum(stat), num_classes, dim, 1e6, 1e-6, 100)
-
-    def lml(hyper, s):
-      return jnp.sum(full._spectral_log_marginal(hyper, s, dim, log_det))
-
+  def full_em(summary, h0, accelerate):
+    step, lml = full.spectral_em_functions(h0.mean_cov, d)
     return em.run(step, lml, h0, summary, tol=1e-6, max_iter=100,
-                  extrapolate=full.extrapolation_bounds(dim), accelerate=accelerate)
+                  extrapolate=full.extrapolation_bounds(d), accelerate=accelerate)
 
-  (hyper, info), w2, c2, rerun = compiled_run_exec(full_em, summary, h0, log_det, True)
-  (_, plain_info), plain_w2 = rerun(summary, h0, log_det, False)
+  (hyper, info), w2, c2, rerun = compiled_run_exec(full_em, summary, h0, True)
+  (_, plain_info), plain_w2 = rerun(summary, h0, False)
   del rerun
   del summary
   p, w3, c3 = compiled_run(jax.jit(full.params_from_hyper), hyper, st)

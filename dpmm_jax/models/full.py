@@ -277,6 +277,23 @@ def extrapolation_bounds(dim: int, df_cap=1e6):
   return {"df": (dim + 1.0, dim + 1.0 + df_cap), "mean_concentration": (0.0, KAPPA_CAP)}
 
 
+def spectral_em_functions(mean_cov, dim: int, df_cap=1e6):
+  """(step, lml) of the spectral EM iteration for ``em.run`` on a SpectralSummary reduced
+  with Sigma0 = ``mean_cov``: step(hyper, summary) -> (hyper, NewtonInfo) and
+  lml(hyper, summary) -> (K,) log marginal likelihood terms (0 for an empty class)."""
+  log_det_mean_cov = linalg.chol_log_det(jnp.linalg.cholesky(mean_cov))
+
+  def step(hyper, summary):
+    maha, stat, _, _ = _spectral_terms(hyper, summary, dim)
+    return _m_step(hyper, summary.count, maha, stat, dim, df_cap, 1e-6, 100)
+
+  def lml(hyper, summary):
+    return stats_lib.nonempty_terms(
+        summary.count, _spectral_log_marginal(hyper, summary, dim, log_det_mean_cov))
+
+  return step, lml
+
+
 def fit_hyper(stats, *, df=None, mean_concentration=None, tol=1e-6, max_iter=100,
               df_cap=1e6, accelerate=True, trace_length=None):
   """Runs EM from the paper's initialisation; returns (Hyper, EMInfo).
@@ -288,16 +305,7 @@ def fit_hyper(stats, *, df=None, mean_concentration=None, tol=1e-6, max_iter=100
   init = init_hyper(stats, df, mean_concentration)
   dim = stats.dim
   summary = spectral_summary(stats, init.loc, init.mean_cov)
-  log_det_mean_cov = linalg.chol_log_det(jnp.linalg.cholesky(init.mean_cov))
-
-  def step(hyper, summary_):
-    maha, stat, _, _ = _spectral_terms(hyper, summary_, dim)
-    return _m_step(hyper, summary_.count, maha, stat, dim, df_cap, 1e-6, 100)
-
-  def lml(hyper, summary_):   # (K,) terms; em.run sums them
-    return stats_lib.nonempty_terms(
-        summary_.count, _spectral_log_marginal(hyper, summary_, dim, log_det_mean_cov))
-
+  step, lml = spectral_em_functions(init.mean_cov, dim, df_cap)
   # Boundary proposal for em.run, the diagonal model's with nu0's cap shifted by D + 1:
   # nu0 (kappa0) moves onto D + 1 + df_cap (KAPPA_CAP) when the slope there is positive.
   caps = diag.boundary_caps(dim + 1.0 + df_cap, KAPPA_CAP)
