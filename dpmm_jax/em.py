@@ -458,6 +458,11 @@ def run_jitted_fit(jitted_fit: Callable, stats, *, max_iter: int,
   params, info = jitted_fit(padded, max_iter=max_iter, trace_length=trace_length(max_iter),
                             **options)
   if padded.num_classes != num_classes:
-    kept = _first_classes({f: getattr(params, f) for f in class_fields}, num_classes)
+    per_class_params = {f: getattr(params, f) for f in class_fields}
+    if any(isinstance(a, jax.core.Tracer) for a in jax.tree_util.tree_leaves(per_class_params)):
+      kept = _first_classes(per_class_params, num_classes)
+    else:   # cut on the host: no compilation (0.04 s in a fresh process)
+      kept = jax.tree_util.tree_map(lambda a: jnp.asarray(np.asarray(a)[:num_classes]),
+                                    per_class_params)
     params = params._replace(**kept)
   return params, _trim(info, max_iter + 1)
