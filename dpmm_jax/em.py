@@ -448,7 +448,7 @@ def run_jitted_fit(jitted_fit: Callable, stats, *, max_iter: int,
   int) and returns (Params, EMInfo) with traces of length max_iter + 1.
 
   The statistics are padded with empty classes to ``padded_num_classes`` (EM leaves
-  empty classes out of its sums: ``stats.class_weights``), and the Params fields named
+  empty classes out of its sums: ``stats.nonempty_terms``), and the Params fields named
   in ``class_fields`` (those with a leading class axis) are cut back to the K classes.
   """
   num_classes = stats.num_classes

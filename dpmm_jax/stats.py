@@ -488,40 +488,35 @@ def from_arrays(x, y, num_classes: int, full: bool = True,
 
 
 # ----------------------------------------------------------------------------- derived
-def class_weights(stats: SufficientStats):
-  """(K,) 1 for a class with points, 0 for an empty one.
+def nonempty_terms(count, terms):
+  """``terms`` (K, ...) per class with the rows of empty classes (count 0) set to 0.
 
   An empty class adds nothing to the marginal likelihood p(X | y, hyper), so the EM
-  M-steps weight their sums over classes by this (an empty class would otherwise enter
-  them at its prior expectations: the same fixed points, reached more slowly). Empty
-  classes are also how ``pad_classes`` pads K for shared compilations.
+  M-steps leave it out of their sums over classes (it would otherwise enter them at its
+  prior expectations: the same fixed points, reached more slowly). Empty classes are
+  also how ``pad_classes`` pads K for shared compilations.
   """
-  return (stats.count > 0).astype(stats.mean.dtype)
-
-
-def nonempty_terms(count, terms):
-  """``terms`` (K, ...) per class with the rows of empty classes (count 0) set to 0."""
   count = jnp.reshape(count, count.shape + (1,) * (jnp.ndim(terms) - count.ndim))
   return jnp.where(count > 0, terms, jnp.zeros_like(terms))
 
 
-def num_nonempty_classes(stats: SufficientStats):
-  """() number of classes with points (a traced float; K when none is empty)."""
-  return jnp.sum(class_weights(stats))
+def num_nonempty(count):
+  """() number of classes with points, in the dtype of ``count`` (K when none is empty)."""
+  return jnp.sum(count > 0).astype(count.dtype)
 
 
 def mean_class_count(stats: SufficientStats):
   """() mean N_k over the classes with points."""
-  return total_count(stats) / num_nonempty_classes(stats)
+  return total_count(stats) / num_nonempty(stats.count)
 
 
 def pad_classes(stats: SufficientStats, num_classes: int) -> SufficientStats:
   """``stats`` with empty classes (count, mean, deviations and scatter 0) appended up to
   ``num_classes``; the pooled scatter is unchanged.
 
-  Concrete arrays are padded on the host (numpy arrays in the result: no compilation,
-  which for a first fit in a fresh process saved 0.15 s of compiling pad programs);
-  traced ones (inside jit or vmap) with ``jnp.pad``.
+  Concrete arrays are padded on the host with numpy and put back on the device (no
+  compilation, which for a first fit in a fresh process saved 0.15 s of compiling pad
+  programs); traced ones (inside jit or vmap) with ``jnp.pad``.
   """
   extra = num_classes - stats.num_classes
   if extra < 0:
@@ -535,7 +530,7 @@ def pad_classes(stats: SufficientStats, num_classes: int) -> SufficientStats:
     widths = [(0, extra)] + [(0, 0)] * (jnp.ndim(a) - 1)
     if isinstance(a, jax.core.Tracer):
       return jnp.pad(a, widths)
-    return np.pad(np.asarray(a), widths)
+    return jnp.asarray(np.pad(np.asarray(a), widths))    # a transfer, not a program
 
   return stats._replace(count=pad(stats.count), mean=pad(stats.mean),
                         sq_dev=pad(stats.sq_dev), scatter=pad(stats.scatter))

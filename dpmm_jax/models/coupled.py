@@ -193,7 +193,7 @@ def em_step(hyper: Hyper, stats, *, df_cap=1e6, shape_cap=1e6,
       stats.count, weights * (grid.nodes - jnp.expm1(grid.nodes))))
   shape, shape_info = newton.maximize(
       functools.partial(gamma_shape_derivatives, stat_sum=shape_stat,
-                        num_classes=stats_lib.num_nonempty_classes(stats)),
+                        num_classes=stats_lib.num_nonempty(stats.count)),
       hyper.gamma_shape, upper=shape_cap)
   new = Hyper(hyper.loc, hyper.var, df, kappa0, shape)
   return new, em.merge_newton_info(df_info, shape_info)

@@ -79,7 +79,7 @@ def update_concentrations(hyper, posterior_weights, post, prior_scale_sq, count,
     maha = jnp.einsum("kp,kpd->kd", posterior_weights, maha)
     stat = jnp.einsum("kp,kpd->kd", posterior_weights, stat)
   maha, stat = (stats_lib.nonempty_terms(count, a) for a in (maha, stat))
-  num_classes = jnp.sum(count > 0).astype(maha.dtype)
+  num_classes = stats_lib.num_nonempty(count)
   kappa0 = num_classes / jnp.sum(maha, 0)                           # paper 14.2
   derivs = functools.partial(nix.df_derivatives, stat_sum=jnp.sum(stat, 0),
                              num_classes=num_classes)

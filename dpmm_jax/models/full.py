@@ -101,7 +101,7 @@ def _m_step(hyper: Hyper, count, maha, stat, dim, df_cap, newton_tol, newton_max
   """kappa0 in closed form and nu0 by Newton from the (K,) E-step terms (empty classes,
   count 0, left out)."""
   maha, stat = (stats_lib.nonempty_terms(count, a) for a in (maha, stat))
-  num_classes = jnp.sum(count > 0).astype(maha.dtype)
+  num_classes = stats_lib.num_nonempty(count)
   kappa0 = num_classes * dim / jnp.sum(maha)                        # paper 13.2 (with D)
   derivs = functools.partial(niw.df_derivatives, stat_sum=jnp.sum(stat),
                              num_classes=num_classes, dim=dim)
