@@ -13,12 +13,17 @@ round-off difference in L moves the end point by much more).
     python benchmarks/class_padding.py [--repeats 5] [--markdown out.md]
 """
 import argparse
+import os
+import sys
 import time
 
 import jax
 import numpy as np
 
-from dpmm_jax import em
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import tables  # pylint: disable=g-import-not-at-top
+
+from dpmm_jax import em  # pylint: disable=g-import-not-at-top
 from dpmm_jax import stats as stats_lib
 from dpmm_jax.models import coupled, diag, full
 
@@ -84,11 +89,7 @@ def main():
         print(lines[-1], flush=True)
   finally:
     em.PADDED_STATS_MAX_ELEMENTS = limit
-  text = "\n".join(lines)
-  print(text)
-  if args.markdown:
-    with open(args.markdown, "w") as f:
-      f.write(text + "\n")
+  tables.emit_table(lines, args.markdown)
 
 
 if __name__ == "__main__":

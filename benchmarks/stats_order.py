@@ -23,6 +23,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import run as scale_benchmark  # pylint: disable=g-import-not-at-top
+import tables  # pylint: disable=g-import-not-at-top
 
 from dpmm_jax import stats as stats_lib  # pylint: disable=g-import-not-at-top
 
@@ -73,11 +74,7 @@ def main():
     lines.append(f"| {k} | {n} | {d} | {1e3 * ta:.1f} | {1e3 * tb:.1f} | {ta / tb:.2f} | "
                  f"{gflops:.0f} | {100 * gflops / peak:.0f} | {gram:.0f} | {identical} |")
     print(lines[-1], flush=True)
-  text = "\n".join(lines)
-  print(text)
-  if args.markdown:
-    with open(args.markdown, "w") as f:
-      f.write(text + "\n")
+  tables.emit_table(lines, args.markdown)
 
 
 if __name__ == "__main__":
