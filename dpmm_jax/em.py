@@ -452,6 +452,9 @@ def run_jitted_fit(jitted_fit: Callable, stats, *, max_iter: int,
   in ``class_fields`` (those with a leading class axis) are cut back to the K classes.
   """
   num_classes = stats.num_classes
+  if not isinstance(stats.count, jax.core.Tracer) and not np.any(np.asarray(stats.count) > 0):
+    raise ValueError(f"The statistics hold no points (all {num_classes} class counts are 0): "
+                     "EM has nothing to fit its hyperparameters to.")
   per_class = sum(int(np.prod(a.shape[1:])) for a in
                   (stats.count, stats.mean, stats.sq_dev, stats.scatter) if a is not None)
   padded = stats_lib.pad_classes(stats, padded_num_classes(num_classes, per_class))

@@ -411,3 +411,12 @@ def test_padded_fit_inside_jit_equals_the_eager_call():
   params_jit, info_jit = jax.jit(diag.fit)(sub)
   assert params_jit.log_counts.shape == (18,) and int(info_jit.num_iters) == int(info.num_iters)
   chex.assert_trees_all_close(params_jit, params, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(PADDED_MODELS))
+def test_statistics_without_points_are_rejected(name):
+  """With every class empty there is nothing to fit (before, the diagonal fit returned
+  NaN hyperparameters without an error); the model's fit says so."""
+  st = stats_lib.empty(3, 2, full=name in ("full", "lowrank"))
+  with pytest.raises(ValueError, match="hold no points"):
+    PADDED_MODELS[name].fit(st)
