@@ -466,10 +466,10 @@ def _few_shot_prepared(prep: "_Prepared", model: str, stacklevel: int) -> "_Prep
   """``prep``, or for a DPMM (``_FEW_SHOT_MODELS``) whose Sigma0 is singular because the
   data have too few points for the preprocessed dimension (N - K below
   ``_FEW_SHOT_RATIO`` D'), the same data prepared with ``_suggested_components`` top
-  principal components (warns; two more
-  passes over the data, which are few here). Only when the caller left
-  ``num_components`` to the preprocessing; a caller's own choice is kept (and its error
-  suggests a number). Computed once per prepared data set (``fit_detectors``)."""
+  principal components (warns; two more passes over the data, which are few here). Only
+  when the caller left ``num_components`` to the preprocessing; a caller's own choice is
+  kept (and its error suggests a number). Computed once per prepared data set
+  (``fit_detectors``)."""
   if (model not in _FEW_SHOT_MODELS or not prep.preprocess
       or prep.num_components is not None or prep.transform is None):
     return prep
