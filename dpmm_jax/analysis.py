@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.scipy.linalg import solve_triangular
 
+from dpmm_jax import compiler
 from dpmm_jax import synthetic
 from dpmm_jax import validation
 
@@ -60,7 +61,7 @@ def _fm_from_cholesky(chol_a: jax.Array, cov_b: jax.Array) -> jax.Array:
     return jnp.sqrt(jnp.sum(log_eigenvalues ** 2, axis=-1))
 
 
-@jax.jit
+@compiler.jit
 def _forstner_moonen(cov_a, cov_b):
     cov_a, cov_b = jnp.broadcast_arrays(cov_a, cov_b)
     return _fm_from_cholesky(jnp.linalg.cholesky(cov_a), cov_b)
@@ -100,7 +101,7 @@ def forstner_moonen_distance(cov_a: jax.Array, cov_b: jax.Array) -> jax.Array:
     return _forstner_moonen(jnp.asarray(cov_a, dtype), jnp.asarray(cov_b, dtype))
 
 
-@functools.partial(jax.jit, static_argnames=("batch_size",))
+@functools.partial(compiler.jit, static_argnames=("batch_size",))
 def _pairwise_fm(covs, rows, cols, batch_size):
     chol = jnp.linalg.cholesky(covs)
 
@@ -230,7 +231,7 @@ def diagonal_scale_factors(class_covs_or_variances: jax.Array,
     return jnp.exp(jnp.mean(jnp.log(class_var) - jnp.log(pooled_var), axis=-1))
 
 
-@jax.jit
+@compiler.jit
 def _mean_pairwise_correlation(values):
     centred = values - jnp.mean(values, axis=0)
     unit = centred / jnp.linalg.norm(centred, axis=0)  # unit-norm columns

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dpmm_jax import compilation_cache
+from dpmm_jax import compiler
 from dpmm_jax import eb_uncertainty
 from dpmm_jax import precision
 from dpmm_jax import preprocess as preprocess_lib
@@ -206,7 +207,7 @@ class FitReport(NamedTuple):
     return tuple(out)
 
 
-_coupled_mode = jax.jit(coupled.posterior_mode)
+_coupled_mode = compiler.jit(coupled.posterior_mode)
 
 
 def _diagnostics(model: str, params, stats) -> Optional[Dict[str, bool]]:
@@ -827,7 +828,7 @@ def _class_and_score(det: Detector, x, inverse=None):
   return linear.logits(p, x), linear.log_msp_score(p, x, temperature)
 
 
-@jax.jit
+@compiler.jit
 def _evaluate_chunk(det: Detector, x, inverse=None):
   if det.transform is not None:
     x = preprocess_lib.apply(det.transform, x)
@@ -835,7 +836,7 @@ def _evaluate_chunk(det: Detector, x, inverse=None):
   return class_scores, score
 
 
-_full_inverse_factors = jax.jit(full.inverse_factors)
+_full_inverse_factors = compiler.jit(full.inverse_factors)
 
 
 def _inverse_for_all_chunks(det: Detector):

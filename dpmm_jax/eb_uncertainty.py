@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dpmm_jax import compiler
 from dpmm_jax import precision
 from dpmm_jax import quadrature
 from dpmm_jax.conjugate import niw, nix
@@ -138,13 +139,13 @@ def _se(cov):
 
 
 # ------------------------------------------------------------ observed information
-@jax.jit
+@compiler.jit
 def _full_information(hyper: full.Hyper, stats):
   f = lambda t: jnp.sum(_full_class_lml(_full_hyper(t, hyper), stats))
   return -jax.hessian(f)(_full_chart(hyper))
 
 
-@jax.jit
+@compiler.jit
 def _diag_information(hyper: diag.Hyper, stats):
   """(D, 2, 2) per-dimension blocks: log p is a sum over d of functions of (t1_d, t2_d),
   so two Hessian-vector products with all-ones directions give every block."""
@@ -159,7 +160,7 @@ def _diag_information(hyper: diag.Hyper, stats):
   return -jnp.stack([col0, col1], -1).transpose(1, 0, 2)                         # (D, 2, 2)
 
 
-@functools.partial(jax.jit, static_argnames=("options",))
+@functools.partial(compiler.jit, static_argnames=("options",))
 def _coupled_information(hyper: coupled.Hyper, stats, options):
   grid = coupled.class_grid(hyper, stats, options.em_nodes, options.em_half_width)
   grid = jax.tree_util.tree_map(jax.lax.stop_gradient, grid)   # the integral, not the grid
@@ -187,7 +188,7 @@ def _vech_basis(dim, dtype):
   return jnp.asarray(basis, dtype), rows, cols
 
 
-@jax.jit
+@compiler.jit
 @precision.float32_matmuls
 def _full_sandwich_pieces(hyper: full.Hyper, stats):
   """Per-class estimating functions psi_k (K, P) and A = d sum_k psi_k / d theta."""
@@ -209,7 +210,7 @@ def _full_sandwich_pieces(hyper: full.Hyper, stats):
   return per_class, a
 
 
-@jax.jit
+@compiler.jit
 def _diag_sandwich_pieces(hyper: diag.Hyper, stats):
   """(K, D, 4) per-class, per-dimension psi and (D, 4, 4) A blocks (separable in d),
   theta_d = (log nu0_d, log kappa0_d, mu0_d, s0_d^2)."""

@@ -51,6 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dpmm_jax import compiler
 from dpmm_jax import stats as stats_lib
 from dpmm_jax.newton import NewtonInfo
 
@@ -385,7 +386,7 @@ def trace_length(max_iter: int) -> int:
   return length
 
 
-@functools.partial(jax.jit, static_argnames=("size",))
+@functools.partial(compiler.jit, static_argnames=("size",))
 def _trim(info: EMInfo, size: int) -> EMInfo:
   cut = lambda a: None if a is None else a[:size]
   return info._replace(log_marginal_trace=cut(info.log_marginal_trace),
@@ -413,7 +414,7 @@ def jit_fit(fit_hyper: Callable, params_from_hyper: Callable, static_argnames=()
     extra = (options["options"],) if "options" in options else ()
     return params_from_hyper(hyper, stats, *extra), info
 
-  return jax.jit(fit, static_argnames=("trace_length",) + tuple(static_argnames))
+  return compiler.jit(fit, static_argnames=("trace_length",) + tuple(static_argnames))
 
 
 # Statistics padded with empty classes hold at most this many elements (16 MB in
@@ -437,7 +438,7 @@ def padded_num_classes(num_classes: int, elements_per_class: int) -> int:
   return padded
 
 
-@functools.partial(jax.jit, static_argnames=("num_classes",))
+@functools.partial(compiler.jit, static_argnames=("num_classes",))
 def _first_classes(per_class, num_classes: int):
   return jax.tree_util.tree_map(lambda a: a[:num_classes], per_class)
 

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 from jax.scipy.linalg import cho_factor, cho_solve
 
+from dpmm_jax import compiler
 from dpmm_jax import precision
 
 METHODS = ("dense", "cg")
@@ -119,7 +120,7 @@ def newton_polish(objective: Callable, params, num_steps: int = 3, *, args=()):
   return _newton(objective, params, _check_args(args), num_steps=int(num_steps))
 
 
-@functools.partial(jax.jit, static_argnames=("objective", "num_steps"))
+@functools.partial(compiler.jit, static_argnames=("objective", "num_steps"))
 def _newton(objective, params, args, num_steps):
   f, unravel, x = _flat_objective(objective, params, args)
   value_and_grad = jax.value_and_grad(f)
@@ -169,7 +170,7 @@ def _jacobian(functional, unravel, x, args):
   return jax.jacfwd(g)(x)                                   # (G, n)
 
 
-@functools.partial(jax.jit, static_argnames=("objective", "functional"))
+@functools.partial(compiler.jit, static_argnames=("objective", "functional"))
 @precision.float32_matmuls
 def _dense_core(objective, functional, params, args):
   f, unravel, x = _flat_objective(objective, params, args)
@@ -182,7 +183,7 @@ def _dense_core(objective, functional, params, args):
   return value, grad, max_eig, jac @ sol
 
 
-@functools.partial(jax.jit, static_argnames=("objective", "functional", "max_iter"))
+@functools.partial(compiler.jit, static_argnames=("objective", "functional", "max_iter"))
 @precision.float32_matmuls
 def _cg_core(objective, functional, params, args, tol, max_iter):
   f, unravel, x = _flat_objective(objective, params, args)

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dpmm_jax import blocks
+from dpmm_jax import compiler
 from dpmm_jax import linalg
 from dpmm_jax import precision
 from dpmm_jax import stats as stats_lib
@@ -41,7 +42,7 @@ class Transform(NamedTuple):
   projection: jax.Array
 
 
-@jax.jit
+@compiler.jit
 @precision.float32_matmuls
 def _total_spectrum(stats: stats_lib.SufficientStats, rtol):
   """(values (D,) and vectors (D, D) of the total covariance, descending; the variance
@@ -59,7 +60,7 @@ def _total_spectrum(stats: stats_lib.SufficientStats, rtol):
   return values, vectors, floor, mean
 
 
-@functools.partial(jax.jit, static_argnums=(3,))
+@functools.partial(compiler.jit, static_argnums=(3,))
 @precision.float32_matmuls
 def _within_spectrum(stats: stats_lib.SufficientStats, values, vectors, keep: int):
   """(eigenvalues (D',) ascending, input-space columns (D, D')) of the average
@@ -135,7 +136,7 @@ def canonical_basis(values: np.ndarray, vectors: np.ndarray, ulps: float = EIGEN
   return (vectors * np.where(largest < 0, -1.0, 1.0)).astype(dtype)
 
 
-@jax.jit
+@compiler.jit
 @precision.float32_matmuls
 def apply(transform: Transform, x):
   """(M, D) -> (M, D') transformed features (in blocks of rows: faster than one product

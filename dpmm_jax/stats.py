@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dpmm_jax import blocks
+from dpmm_jax import compiler
 from dpmm_jax import precision
 from dpmm_jax import validation
 
@@ -232,7 +233,7 @@ def _update(stats: SufficientStats, x, y, block_size: int, axis_name=None):
   return SufficientStats(count, mean, sq_dev, None, pooled)
 
 
-@functools.partial(jax.jit, static_argnames=("block_size",))
+@functools.partial(compiler.jit, static_argnames=("block_size",))
 def update(stats: SufficientStats, x, y, block_size: int = 128) -> SufficientStats:
   """Adds one chunk to running statistics (exact: equals ``merge(stats, from_labels(x, y))``).
 
@@ -267,7 +268,7 @@ def finalize(stats: SufficientStats) -> SufficientStats:
   return stats._replace(scatter=scatter, pooled_scatter=pooled)
 
 
-@functools.partial(jax.jit, static_argnames=("num_classes", "full", "block_size"))
+@functools.partial(compiler.jit, static_argnames=("num_classes", "full", "block_size"))
 def from_labels(x, y, num_classes: int, full: bool = True,
                 block_size: int = 128) -> SufficientStats:
   """Sufficient statistics of one in-memory chunk (means first, then centred sums).
@@ -292,10 +293,10 @@ def from_labels(x, y, num_classes: int, full: bool = True,
 
 
 _from_labels_jit = from_labels
-_update_jit = jax.jit(_update, static_argnames=("block_size", "axis_name"), donate_argnums=(0,))
-_finalize_jit = jax.jit(finalize, donate_argnums=(0,))
+_update_jit = compiler.jit(_update, static_argnames=("block_size", "axis_name"), donate_argnums=(0,))
+_finalize_jit = compiler.jit(finalize, donate_argnums=(0,))
 # One compiled program instead of one per zeros array (eager jnp.zeros compiles each).
-_empty_jit = jax.jit(empty, static_argnums=(0, 1, 2, 3, 4))
+_empty_jit = compiler.jit(empty, static_argnums=(0, 1, 2, 3, 4))
 
 
 @precision.float32_matmuls
@@ -366,7 +367,7 @@ def merge(a: SufficientStats, b: SufficientStats) -> SufficientStats:
   return SufficientStats(n, mean, sq_dev, scatter, pooled)
 
 
-_merge_jit = jax.jit(merge)
+_merge_jit = compiler.jit(merge)
 
 
 def release_pages(view) -> None:
@@ -595,14 +596,14 @@ def identical_classes(stats: SufficientStats):
   return _identical_classes(stats.count, stats.mean, stats.sq_dev)
 
 
-@jax.jit
+@compiler.jit
 def _identical_classes(count, mean, sq_dev):
   eps = jnp.finfo(mean.dtype).eps
   bound = count[:, None] * (8.0 * eps * jnp.abs(mean)) ** 2
   return (count > 1) & jnp.all(sq_dev <= bound, axis=-1)
 
 
-@jax.jit
+@compiler.jit
 def as_singletons(stats: SufficientStats, which) -> SufficientStats:
   """Statistics in which each class flagged by ``which`` (K,) is one point at its mean.
 

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.scipy.linalg import solve_triangular
 
+from dpmm_jax import compiler
 from dpmm_jax import precision
 
 __all__ = [
@@ -103,12 +104,12 @@ def _chunk_size(size: int) -> int:
     return _CHUNK_SIZES[-1]
 
 
-@functools.partial(jax.jit, static_argnames=("chunk", "dtype"))
+@functools.partial(compiler.jit, static_argnames=("chunk", "dtype"))
 def _normal_chunk(key, index, chunk, dtype):
     return jax.random.normal(jax.random.fold_in(key, index), (chunk,), dtype=dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("dtype",))
+@functools.partial(compiler.jit, static_argnames=("dtype",))
 def _gamma_chunk(key, index, shape_params, dtype):
     return jax.random.gamma(jax.random.fold_in(key, index), shape_params, dtype=dtype)
 
@@ -222,24 +223,24 @@ def _niw_from_variates(chi_square, normals: _Normals, mu0, sigma0, nu0, kappa0):
     return means, covariances
 
 
-@jax.jit
+@compiler.jit
 def _bartlett_core(chi_square, normals):
     return _bartlett_from_variates(chi_square, normals.reshape(*chi_square.shape, -1))
 
 
-@jax.jit
+@compiler.jit
 def _wishart_core(chi_square, normals, scale):
     bartlett = _bartlett_from_variates(chi_square, normals.reshape(*chi_square.shape, -1))
     return _wishart_from_bartlett(scale, bartlett)
 
 
-@jax.jit
+@compiler.jit
 def _inverse_wishart_core(chi_square, normals, scale):
     bartlett = _bartlett_from_variates(chi_square, normals.reshape(*chi_square.shape, -1))
     return _inverse_wishart_from_bartlett(scale, bartlett)
 
 
-@jax.jit
+@compiler.jit
 def _niw_core(chi_square, normals, mu0, sigma0, nu0, kappa0):
     return _niw_from_variates(chi_square, _Normals(normals), mu0, sigma0, nu0, kappa0)
 
@@ -451,7 +452,7 @@ def _sample_points(means, covariances, z):
     return x.reshape(num_clusters * num_per_cluster, dim)
 
 
-@functools.partial(jax.jit, static_argnames=("num_train_per_class", "num_test_per_class"))
+@functools.partial(compiler.jit, static_argnames=("num_train_per_class", "num_test_per_class"))
 def _make_dataset_core(chi_square_classes, chi_square_ood, normals, mu0, sigma0, nu0,
                        kappa0, num_train_per_class, num_test_per_class):
     """Everything in :func:`make_dataset` after the random variates, as one program."""

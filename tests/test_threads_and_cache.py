@@ -65,6 +65,7 @@ def test_public_api_leaves_the_pools_as_it_found_them(clean_env):
   rng = np.random.default_rng(0)
   x = rng.normal(size=(60, 3)).astype(np.float32) + np.repeat(np.eye(3) * 4, 20, 0)
   y = np.repeat(np.arange(3), 20)
+  threads._get_controller()             # loads scipy's OpenBLAS before the pools are read
   before = _blas_threads()
   seen = []
   orig = threads._get_controller().limit

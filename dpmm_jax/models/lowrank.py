@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from dpmm_jax import blocks
+from dpmm_jax import compiler
 from dpmm_jax import em
 from dpmm_jax import linalg
 from dpmm_jax import precision
@@ -137,7 +138,7 @@ def params_from_hyper(hyper: full.Hyper, stats, max_rank: int = DEFAULT_MAX_RANK
                 prior_scale, prior_df, prior_log_normalizer, jnp.log(stats.count))
 
 
-@functools.partial(jax.jit, static_argnames=("trace_length", "max_rank"))
+@functools.partial(compiler.jit, static_argnames=("trace_length", "max_rank"))
 def _fit(stats, *, df, mean_concentration, tol, max_iter, df_cap, accelerate, max_rank,
          edge_scale, trace_length):
   hyper, info = full.fit_hyper(stats, df=df, mean_concentration=mean_concentration, tol=tol,
