@@ -828,7 +828,9 @@ def _class_and_score(det: Detector, x, inverse=None):
   return linear.logits(p, x), linear.log_msp_score(p, x, temperature)
 
 
-@compiler.jit
+# The coupled scorer runs 1.97x slower with compiler.CPU_COMPILER_OPTIONS (K = 100,
+# D = 64, 2,048 points: benchmarks/RESULTS.md, session 25): it keeps XLA's defaults.
+@functools.partial(compiler.jit, when=lambda det, *_, **__: det.model != "coupled")
 def _evaluate_chunk(det: Detector, x, inverse=None):
   if det.transform is not None:
     x = preprocess_lib.apply(det.transform, x)

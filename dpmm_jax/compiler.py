@@ -91,21 +91,26 @@ def is_small(args) -> bool:
   return True
 
 
-def jit(fun: Optional[Callable] = None, **jit_kwargs):
+def jit(fun: Optional[Callable] = None, *, when: Optional[Callable[..., bool]] = None,
+        **jit_kwargs):
   """``jax.jit(fun, **jit_kwargs)`` that compiles small top-level CPU calls with
   ``options()`` (module docstring).
 
-  Usable as ``@jit``, ``@functools.partial(jit, static_argnames=...)`` or ``jit(f, ...)``.
+  ``when``: optional ``(*args, **kwargs) -> bool`` (Python values, e.g. a Detector's
+  static model name): False keeps a call on XLA's defaults (kernels that the options
+  make slower to run). Usable as ``@jit``, ``@functools.partial(jit, ...)`` or
+  ``jit(f, ...)``.
   The result also has ``lower`` and ``trace`` (of the variant the call would use) and
   ``_cache_size`` (both variants together).
   """
   if fun is None:
-    return functools.partial(jit, **jit_kwargs)
+    return functools.partial(jit, when=when, **jit_kwargs)
   plain = jax.jit(fun, **jit_kwargs)
   tuned = jax.jit(fun, compiler_options=CPU_COMPILER_OPTIONS, **jit_kwargs)
 
   def pick(args, kwargs):
-    if _compiled_on_its_own() and is_small((args, kwargs)) and options() is not None:
+    if (_compiled_on_its_own() and is_small((args, kwargs)) and options() is not None
+        and (when is None or when(*args, **kwargs))):
       return tuned
     return plain
 

@@ -67,7 +67,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from dpmm_jax import blocks
-from dpmm_jax import compiler
 from dpmm_jax import linalg
 from dpmm_jax import precision
 from dpmm_jax import preprocess as preprocess_lib
@@ -430,7 +429,7 @@ def init_params(key, y, priors: Priors) -> Params:
   return m_step(resp, y, priors)
 
 
-@functools.partial(compiler.jit, static_argnames=("max_iter",))
+@functools.partial(jax.jit, static_argnames=("max_iter",))
 def fit_restarts(keys, y, priors: Priors, tol, max_iter: int):
   """Detector initialisation + CAVI for each key (vmapped); returns the best restart.
 
@@ -749,7 +748,7 @@ def predict_proba(result: Discovery, x_new):
   return _predict_proba(result.params, y)
 
 
-@compiler.jit
+@jax.jit
 def _predict_proba(params: Params, y):
   logw = jnp.log(expected_weights(params))
   return jax.nn.softmax(logw[None, :] + predictive_log_density(params.components, y), -1)

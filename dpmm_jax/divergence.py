@@ -77,7 +77,6 @@ import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
-from dpmm_jax import compiler
 from dpmm_jax import precision
 from dpmm_jax import validation
 
@@ -731,7 +730,7 @@ def draw_divergences(state: PartitionState, key, delta, alpha):
   return _divergences_from_log_masses(log_m[0], log_m[1], mask, alpha)
 
 
-@functools.partial(compiler.jit, static_argnames=("config",))
+@functools.partial(jax.jit, static_argnames=("config",))
 def run_chain(key, x, y, valid_x, valid_y, delta, sigma, alpha, config: Config) -> ChainOutput:
   """One co-BPM chain: burn-in, then S kept draws every ``thin`` steps (all in lax loops).
 

@@ -31,7 +31,6 @@ import jax.numpy as jnp
 from jax.scipy import special as jsp
 from jax.scipy.linalg import cho_solve, solve_triangular
 
-from dpmm_jax import compiler
 from dpmm_jax import linalg
 from dpmm_jax import lrvb
 from dpmm_jax import precision
@@ -148,7 +147,7 @@ def _kmeans_labels(x, key, num_components, num_iters):
   return jnp.argmin(jnp.sum((x[:, None, :] - c[None]) ** 2, -1), -1)
 
 
-@functools.partial(compiler.jit, static_argnames=("num_kmeans_iters",))
+@functools.partial(jax.jit, static_argnames=("num_kmeans_iters",))
 def init_state(prior: Prior, x, key, num_kmeans_iters: int = 20) -> State:
   """M-step from hard k-means labels (random distinct points as starting centres)."""
   num_components = prior.concentration.shape[0]
@@ -156,7 +155,7 @@ def init_state(prior: Prior, x, key, num_kmeans_iters: int = 20) -> State:
   return m_step(prior, x, jax.nn.one_hot(labels, num_components, dtype=x.dtype))
 
 
-@functools.partial(compiler.jit, static_argnames=("max_iter",))
+@functools.partial(jax.jit, static_argnames=("max_iter",))
 def fit(prior: Prior, x, state: State, tol=1e-7, max_iter: int = 500):
   """CAVI from ``state`` until the relative change of the profiled ELBO is <= tol.
 
@@ -473,7 +472,7 @@ def _gibbs_step(prior: Prior, x, carry, key):
   return (weights, means, prec), (weights, means, prec)
 
 
-@functools.partial(compiler.jit, static_argnames=("num_samples", "num_chains", "burn_in"))
+@functools.partial(jax.jit, static_argnames=("num_samples", "num_chains", "burn_in"))
 def gibbs(key, prior: Prior, x, init: State, num_samples: int = 1000, num_chains: int = 4,
           burn_in: int = 200) -> GibbsSamples:
   """Blocked Gibbs sampler of the exact posterior (z | globals, then pi and (mu, Sigma)).

@@ -74,7 +74,6 @@ import numpy as np
 from jax.scipy import special as jsp
 from jax.scipy.linalg import cho_solve
 
-from dpmm_jax import compiler
 from dpmm_jax import precision
 from dpmm_jax import stats
 from dpmm_jax import validation
@@ -473,7 +472,7 @@ def _fit_impl(x, locations, inducing, key, init_means, concentration, amplitude,
   return Result(assignments, state.responsibilities, trace, it, conv, state, prior, nys)
 
 
-_fit_jit = compiler.jit(_fit_impl, static_argnames=("num_clusters", "max_iter", "update_field_",
+_fit_jit = jax.jit(_fit_impl, static_argnames=("num_clusters", "max_iter", "update_field_",
                                                "kmeans_iters", "has_init_means"))
 
 
@@ -592,7 +591,7 @@ def predict(result: Result, x, locations):
   return _predict_jit(result.state, result.nystrom, jnp.asarray(x), jnp.asarray(loc))
 
 
-@compiler.jit
+@jax.jit
 def _predict_jit(state, nys, x, loc):
   field = field_at(nys, state.field_weights, loc.astype(nys.inducing.dtype))
   logits = (normal_wishart.expected_log_likelihood(state.clusters, x.astype(field.dtype))

@@ -29,7 +29,6 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dpmm_jax import compiler
 from dpmm_jax import preprocess as preprocess_lib
 from dpmm_jax import scores as scores_lib
 from dpmm_jax import stats as stats_lib
@@ -79,7 +78,7 @@ def _partial_specs(axis, full: bool):
   return stats_lib.SufficientStats(P(), P(), P(axis), P(axis) if full else None, P(axis))
 
 
-@functools.partial(compiler.jit, static_argnames=("mesh", "block_size"), donate_argnums=(0,))
+@functools.partial(jax.jit, static_argnames=("mesh", "block_size"), donate_argnums=(0,))
 def _sharded_update(state, x, y, mesh, block_size):
   axis = _axis(mesh)
   specs = _partial_specs(axis, state.scatter is not None)
@@ -95,7 +94,7 @@ def _sharded_update(state, x, y, mesh, block_size):
                        out_specs=specs)(state, x, y)
 
 
-@functools.partial(compiler.jit, static_argnames=("mesh",), donate_argnums=(0,))
+@functools.partial(jax.jit, static_argnames=("mesh",), donate_argnums=(0,))
 def _sum_partials(state, mesh):
   del mesh
   total = state._replace(
@@ -116,7 +115,7 @@ def _empty_state(num_classes, dim, full, dtype, mesh):
         z((num_classes,)), z((num_classes, dim)), z((shards, num_classes, dim)),
         z((shards, num_classes, dim, dim)) if full else None, z((shards, dim, dim)))
 
-  return compiler.jit(zeros, out_shardings=shardings)()
+  return jax.jit(zeros, out_shardings=shardings)()
 
 
 def _global_rows(local, mesh, rows_per_process):
@@ -235,7 +234,7 @@ def map_rows(fn: Callable, params, x, mesh: Mesh):
   return jax.tree_util.tree_map(lambda a: a[:m], out)
 
 
-@functools.partial(compiler.jit, static_argnames=("fn", "mesh"))
+@functools.partial(jax.jit, static_argnames=("fn", "mesh"))
 def _map_rows_jit(fn, params, x, mesh):
   axis = _axis(mesh)
   return jax.shard_map(fn, mesh=mesh, in_specs=(P(), P(axis)), out_specs=P(axis))(params, x)

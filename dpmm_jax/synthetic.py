@@ -104,12 +104,12 @@ def _chunk_size(size: int) -> int:
     return _CHUNK_SIZES[-1]
 
 
-@functools.partial(compiler.jit, static_argnames=("chunk", "dtype"))
+@functools.partial(jax.jit, static_argnames=("chunk", "dtype"))
 def _normal_chunk(key, index, chunk, dtype):
     return jax.random.normal(jax.random.fold_in(key, index), (chunk,), dtype=dtype)
 
 
-@functools.partial(compiler.jit, static_argnames=("dtype",))
+@functools.partial(jax.jit, static_argnames=("dtype",))
 def _gamma_chunk(key, index, shape_params, dtype):
     return jax.random.gamma(jax.random.fold_in(key, index), shape_params, dtype=dtype)
 

@@ -5,6 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import dpmm_jax
+from dpmm_jax import api
 from dpmm_jax import compiler
 from dpmm_jax import stats as stats_lib
 from dpmm_jax.models import coupled, diag, full
@@ -44,6 +46,28 @@ def test_calls_with_more_elements_than_the_threshold_compile_with_the_defaults(m
   assert (f._plain._cache_size(), f._tuned._cache_size()) == (1, 2)
   assert compiler.is_small((jnp.ones(32), {"b": jnp.ones((4, 8))}))
   assert not compiler.is_small((jnp.ones(32), {"b": jnp.ones((4, 9))}))
+
+
+@needs_options
+def test_when_keeps_the_calls_it_rejects_on_the_defaults():
+  f = compiler.jit(_fresh(), when=lambda x, scale=1.0: x.shape[0] < 4)
+  f(jnp.ones(3))
+  f(jnp.ones(5))
+  assert (f._plain._cache_size(), f._tuned._cache_size()) == (1, 1)
+
+
+@needs_options
+def test_the_coupled_scorer_keeps_the_defaults_and_the_others_take_the_options():
+  """The coupled scorer ran 1.97x slower with the options (RESULTS.md, session 25)."""
+  rng = np.random.default_rng(0)
+  y = np.repeat(np.arange(3), 10)
+  x = (rng.normal(size=(30, 2)) + 4 * rng.normal(size=(3, 2))[y]).astype(np.float32)
+  for model, variant in (("coupled", "_plain"), ("diag", "_tuned")):
+    det = dpmm_jax.fit_detector(x, y, model)
+    chosen = getattr(api._evaluate_chunk, variant)
+    before = chosen._cache_size()
+    dpmm_jax.score(det, x[:7] + 0.5, chunk_size=7)   # a chunk shape no other test uses
+    assert chosen._cache_size() == before + 1, model
 
 
 @pytest.mark.parametrize("transform", ["jit", "grad", "scan", "checkpoint", "vmap",

@@ -46,7 +46,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from dpmm_jax import compiler
 from dpmm_jax import precision
 
 __all__ = [
@@ -182,7 +181,7 @@ def _mean_ce(params: LinearHeadParams, x: jax.Array, y: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(z, y).mean()
 
 
-@functools.partial(compiler.jit, static_argnames=("num_classes", "num_steps", "batch_size"))
+@functools.partial(jax.jit, static_argnames=("num_classes", "num_steps", "batch_size"))
 @precision.float32_matmuls
 def _fit_impl(x, y, key, learning_rate, weight_decay, *, num_classes, num_steps,
               batch_size):
@@ -296,7 +295,7 @@ def predict(params: LinearHeadParams, x) -> jax.Array:
     return jnp.argmax(logits(params, x), axis=-1)
 
 
-@compiler.jit
+@jax.jit
 def _log_max_softmax_impl(z: jax.Array, temperature: jax.Array) -> jax.Array:
     k = z.shape[-1]
     idx = jnp.argmax(z, axis=-1)
