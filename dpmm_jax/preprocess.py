@@ -136,7 +136,7 @@ def canonical_basis(values: np.ndarray, vectors: np.ndarray, ulps: float = EIGEN
   return (vectors * np.where(largest < 0, -1.0, 1.0)).astype(dtype)
 
 
-@jax.jit
+@compiler.jit
 @precision.float32_matmuls
 def apply(transform: Transform, x):
   """(M, D) -> (M, D') transformed features (in blocks of rows: faster than one product

@@ -233,7 +233,7 @@ def _update(stats: SufficientStats, x, y, block_size: int, axis_name=None):
   return SufficientStats(count, mean, sq_dev, None, pooled)
 
 
-@functools.partial(jax.jit, static_argnames=("block_size",))
+@functools.partial(compiler.jit, static_argnames=("block_size",))
 def update(stats: SufficientStats, x, y, block_size: int = 128) -> SufficientStats:
   """Adds one chunk to running statistics (exact: equals ``merge(stats, from_labels(x, y))``).
 
@@ -293,7 +293,7 @@ def from_labels(x, y, num_classes: int, full: bool = True,
 
 
 _from_labels_jit = from_labels
-_update_jit = jax.jit(_update, static_argnames=("block_size", "axis_name"), donate_argnums=(0,))
+_update_jit = compiler.jit(_update, static_argnames=("block_size", "axis_name"), donate_argnums=(0,))
 _finalize_jit = compiler.jit(finalize, donate_argnums=(0,))
 # One compiled program instead of one per zeros array (eager jnp.zeros compiles each).
 _empty_jit = compiler.jit(empty, static_argnums=(0, 1, 2, 3, 4))

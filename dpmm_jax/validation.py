@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dpmm_jax import compiler
+
 _MAX_LISTED = 5
 
 
@@ -332,7 +334,7 @@ def stats_chunk(x, y, num_classes: int, offset: int = 0, dim=None, name: str = "
   return _convert(x, _float_dtype(x.dtype), name, offset), y.astype(np.int32)
 
 
-@jax.jit
+@compiler.jit
 def _all_finite(x):
   """() whether every entry of x is finite: one compiled program per shape (eagerly,
   isfinite and all would compile one each)."""
