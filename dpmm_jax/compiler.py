@@ -3,12 +3,15 @@
 On small problems (a fit at K = 100, D = 64; the test suite's toy data) a user waits for
 compilation, not for the run. XLA:CPU emits fused kernels with its MLIR "fusion emitters"
 by default; its older emitters (``xla_cpu_use_fusion_emitters=False``) compile the same
-programs about a third faster, but made the compiled full-model fit 1.37x slower at
-K = 200, D = 256 (benchmarks/RESULTS.md, sessions 16 and 25). So ``jit`` compiles a call
-with ``CPU_COMPILER_OPTIONS`` only when
+programs about a third faster. They also run some kernels slower: the full-model fit
+1.29x at K = 200, D = 256, the coupled scorer 1.97x, co-BPM's chain 1.41x
+(benchmarks/RESULTS.md, sessions 16 and 25). So ``jit`` compiles a call with
+``CPU_COMPILER_OPTIONS`` only when
 
 * its array arguments hold at most ``SMALL_PROBLEM_ELEMENTS`` elements together (where
   compilation dominates; larger calls compile with XLA's defaults and run at full speed);
+* the function's ``when`` predicate, if any, accepts the call (the scorer rejects the
+  coupled model);
 * the backend is CPU and the installed jaxlib knows the options (probed once per
   process with a one-line program: an unknown option would fail every compilation);
 * the call compiles a program of its own: at the top level or under ``jax.vmap`` alone.
@@ -17,9 +20,11 @@ with ``CPU_COMPILER_OPTIONS`` only when
   same function is called and the enclosing program is compiled as its owner chose;
 * ``DPMM_JAX_COMPILER_OPTIONS`` is not ``0`` (``off``/``false``/``no``; read at each call).
 
+Programs whose run time is long even on small inputs (co-BPM's chain, the MSP head's
+training, the MCMC and VB fits of ``gmm``, ``lddp``, ``discovery``) use plain ``jax.jit``.
 Only the library's own programs are affected (no process-wide ``XLA_FLAGS``); a user's
-``XLA_FLAGS`` still apply to them. The options change how kernels are emitted: results
-agree with the default compilation to float32 round-off (``tests/test_compiler.py``).
+``XLA_FLAGS`` still apply to them. Results agree with the default compilation to float32
+round-off (``tests/test_compiler.py``).
 """
 import functools
 import os
