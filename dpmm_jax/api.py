@@ -7,6 +7,7 @@ Inputs are validated here (``validation``); what is rejected, and why, is listed
 ``docs/failure_modes.md``. The fit never returns a detector with non-finite parameters,
 and scoring never returns non-finite scores for finite inputs: both raise instead.
 """
+import contextlib
 import dataclasses
 import functools
 import warnings
@@ -828,9 +829,7 @@ def _class_and_score(det: Detector, x, inverse=None):
   return linear.logits(p, x), linear.log_msp_score(p, x, temperature)
 
 
-# The coupled scorer runs 1.97x slower with compiler.CPU_COMPILER_OPTIONS (K = 100,
-# D = 64, 2,048 points: benchmarks/RESULTS.md, session 25): it keeps XLA's defaults.
-@functools.partial(compiler.jit, when=lambda det, *_, **__: det.model != "coupled")
+@compiler.jit
 def _evaluate_chunk(det: Detector, x, inverse=None):
   if det.transform is not None:
     x = preprocess_lib.apply(det.transform, x)
@@ -869,6 +868,22 @@ def _evaluate(det: Detector, x, chunk_size: int):
   if n == 0:
     return (jnp.zeros((0, det.num_classes), dtype), jnp.zeros((0,), dtype))
   chunk_size = _chunk_rows(n, chunk_size)
+  with _compiled_for(det, n):
+    return _evaluate_chunks(det, x, n, chunk_size, dtype)
+
+
+def _compiled_for(det: Detector, num_rows: int):
+  """The coupled scorer runs 1.97x slower compiled with compiler.CPU_COMPILER_OPTIONS
+  (K = 100, D = 64, 2,048 points; 0.7 s less compilation: benchmarks/RESULTS.md, session
+  25), so a call scoring more than compiler.SMALL_PROBLEM_ELEMENTS point x class x
+  dimension triples compiles it with XLA's defaults."""
+  work = num_rows * det.num_classes * det.input_dim
+  if det.model == "coupled" and work > compiler.SMALL_PROBLEM_ELEMENTS:
+    return compiler.xla_defaults()
+  return contextlib.nullcontext()
+
+
+def _evaluate_chunks(det: Detector, x, n: int, chunk_size: int, dtype):
   inverse = _inverse_for_all_chunks(det)
   class_parts, score_parts = [], []
   for start in range(0, n, chunk_size):

@@ -10,8 +10,9 @@ programs about a third faster. They also run some kernels slower: the full-model
 
 * its array arguments hold at most ``SMALL_PROBLEM_ELEMENTS`` elements together (where
   compilation dominates; larger calls compile with XLA's defaults and run at full speed);
-* the function's ``when`` predicate, if any, accepts the call (the scorer rejects the
-  coupled model);
+* no ``xla_defaults()`` block is open in this thread (a caller that knows its call runs
+  long, e.g. ``score`` on the coupled model over more than ``SMALL_PROBLEM_ELEMENTS``
+  point x class x dimension triples, compiles with the defaults);
 * the backend is CPU and the installed jaxlib knows the options (probed once per
   process with a one-line program: an unknown option would fail every compilation);
 * the call compiles a program of its own: at the top level or under ``jax.vmap`` alone.
@@ -26,6 +27,7 @@ Only the library's own programs are affected (no process-wide ``XLA_FLAGS``); a 
 ``XLA_FLAGS`` still apply to them. Results agree with the default compilation to float32
 round-off (``tests/test_compiler.py``).
 """
+import contextlib
 import functools
 import os
 import threading
@@ -41,6 +43,7 @@ SMALL_PROBLEM_ELEMENTS = 1 << 22
 _OFF = ("0", "off", "false", "no")
 _supported = [None]   # whether this jaxlib accepts the options (probed once)
 _lock = threading.Lock()
+_xla_defaults = threading.local()
 
 
 def _compiler_options_probe(v):
@@ -70,6 +73,17 @@ def options() -> Optional[Dict[str, Any]]:
   return CPU_COMPILER_OPTIONS if _supported[0] else None
 
 
+@contextlib.contextmanager
+def xla_defaults():
+  """Calls made inside (in this thread) compile with XLA's defaults."""
+  previous = getattr(_xla_defaults, "on", False)
+  _xla_defaults.on = True
+  try:
+    yield
+  finally:
+    _xla_defaults.on = previous
+
+
 def _compiled_on_its_own() -> bool:
   """Whether a jit called now compiles as a program of its own: at the top level or
   under vmaps only (whose batched jit still compiles on its own). False when unsure."""
@@ -96,26 +110,22 @@ def is_small(args) -> bool:
   return True
 
 
-def jit(fun: Optional[Callable] = None, *, when: Optional[Callable[..., bool]] = None,
-        **jit_kwargs):
+def jit(fun: Optional[Callable] = None, **jit_kwargs):
   """``jax.jit(fun, **jit_kwargs)`` that compiles small top-level CPU calls with
   ``options()`` (module docstring).
 
-  ``when``: optional ``(*args, **kwargs) -> bool`` (Python values, e.g. a Detector's
-  static model name): False keeps a call on XLA's defaults (kernels that the options
-  make slower to run). Usable as ``@jit``, ``@functools.partial(jit, ...)`` or
-  ``jit(f, ...)``.
+  Usable as ``@jit``, ``@functools.partial(jit, static_argnames=...)`` or ``jit(f, ...)``.
   The result also has ``lower`` and ``trace`` (of the variant the call would use) and
   ``_cache_size`` (both variants together).
   """
   if fun is None:
-    return functools.partial(jit, when=when, **jit_kwargs)
+    return functools.partial(jit, **jit_kwargs)
   plain = jax.jit(fun, **jit_kwargs)
   tuned = jax.jit(fun, compiler_options=CPU_COMPILER_OPTIONS, **jit_kwargs)
 
   def pick(args, kwargs):
-    if (_compiled_on_its_own() and is_small((args, kwargs)) and options() is not None
-        and (when is None or when(*args, **kwargs))):
+    if (not getattr(_xla_defaults, "on", False) and _compiled_on_its_own()
+        and is_small((args, kwargs)) and options() is not None):
       return tuned
     return plain
 
