@@ -38,7 +38,7 @@ import jax
 ENV_VAR = "DPMM_JAX_COMPILER_OPTIONS"
 CPU_COMPILER_OPTIONS: Dict[str, Any] = {"xla_cpu_use_fusion_emitters": False}
 # 2^22 elements (16 MB in float32): the full model's statistics at K = 200, D = 128 hold
-# 3.3 M (same run time either way), at K = 200, D = 256 (1.21x slower run) 13.3 M.
+# 3.3 M (run 0.95-1.14x of the defaults'), at K = 200, D = 256 (1.19-1.29x slower run) 13.3 M.
 SMALL_PROBLEM_ELEMENTS = 1 << 22
 _OFF = ("0", "off", "false", "no")
 _supported = [None]   # whether this jaxlib accepts the options (probed once)
