@@ -35,18 +35,6 @@ PROBLEMS = (("diag", 8, 3, 20), ("full", 8, 3, 20), ("coupled", 8, 3, 20),
             ("diag", 200, 256, 30), ("coupled", 200, 256, 30))
 
 
-def _time_variant(jitted, stats, kwargs, repeats=5):
-  start = time.perf_counter()
-  out = jax.block_until_ready(jitted(stats, **kwargs))
-  first = time.perf_counter() - start
-  best = float("inf")
-  for _ in range(repeats):
-    start = time.perf_counter()
-    out = jax.block_until_ready(jitted(stats, **kwargs))
-    best = min(best, time.perf_counter() - start)
-  return first, best, int(out[1].num_iters)
-
-
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--markdown", default=None, help="also write the table here")
@@ -66,13 +54,15 @@ def main():
     kwargs = dict(max_iter=100, trace_length=em.trace_length(100))
     if name == "coupled":
       kwargs["options"] = coupled.QuadratureOptions()
-    plain = _time_variant(module._fit._plain, stats, kwargs)  # pylint: disable=protected-access
-    tuned = _time_variant(module._fit._tuned, stats, kwargs)  # pylint: disable=protected-access
+    plain = _time_call(module._fit._plain, stats, **kwargs)  # pylint: disable=protected-access
+    tuned = _time_call(module._fit._tuned, stats, **kwargs)  # pylint: disable=protected-access
+    iters = [int(variant(stats, **kwargs)[1].num_iters)
+             for variant in (module._fit._plain, module._fit._tuned)]  # pylint: disable=protected-access
     elements = sum(a.size for a in jax.tree_util.tree_leaves(stats))
     lines.append(f"| {name} | {k} | {d} | {n} | {elements / 1e6:.2f} M | "
                  f"{'yes' if compiler.is_small(stats) else 'no'} | "
                  f"{plain[0]:.2f} / {tuned[0]:.2f} | {plain[1] * 1e3:.1f} / {tuned[1] * 1e3:.1f} | "
-                 f"{tuned[1] / plain[1]:.2f}x | {plain[2]} / {tuned[2]} |")
+                 f"{tuned[1] / plain[1]:.2f}x | {iters[0]} / {iters[1]} |")
     print(lines[-1], flush=True)
   if not args.quick:
     lines += _other_programs(rng)
