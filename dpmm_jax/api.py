@@ -873,10 +873,11 @@ def _evaluate(det: Detector, x, chunk_size: int):
 
 
 def _compiled_for(det: Detector, num_rows: int):
-  """The coupled scorer runs 1.97x slower compiled with compiler.CPU_COMPILER_OPTIONS
-  (K = 100, D = 64, 2,048 points; 0.7 s less compilation: benchmarks/RESULTS.md, session
-  25), so a call scoring more than compiler.SMALL_PROBLEM_ELEMENTS point x class x
-  dimension triples compiles it with XLA's defaults."""
+  """The coupled scorer ran 1.06-1.97x slower compiled with compiler.CPU_COMPILER_OPTIONS
+  and its first call took 0.7-1.0 s less (K = 100, D = 64, 2,048 points, three runs:
+  benchmarks/RESULTS.md, session 25), so a call scoring more than
+  compiler.SMALL_PROBLEM_ELEMENTS point x class x dimension triples compiles it with
+  XLA's defaults."""
   work = num_rows * det.num_classes * det.input_dim
   if det.model == "coupled" and work > compiler.SMALL_PROBLEM_ELEMENTS:
     return compiler.xla_defaults()

@@ -4,9 +4,9 @@ On small problems (a fit at K = 100, D = 64; the test suite's toy data) a user w
 compilation, not for the run. XLA:CPU emits fused kernels with its MLIR "fusion emitters"
 by default; its older emitters (``xla_cpu_use_fusion_emitters=False``) compile the same
 programs about a third faster. They also run some kernels slower: the full-model fit
-1.29x at K = 200, D = 256, the coupled scorer 1.97x, co-BPM's chain 1.41x
-(benchmarks/RESULTS.md, sessions 16 and 25). So ``jit`` compiles a call with
-``CPU_COMPILER_OPTIONS`` only when
+1.19-1.29x at K = 200, D = 256, the coupled scorer 1.06-1.97x, co-BPM's chain
+0.99-1.53x in this machine's runs (benchmarks/RESULTS.md, sessions 16 and 25). So
+``jit`` compiles a call with ``CPU_COMPILER_OPTIONS`` only when
 
 * its array arguments hold at most ``SMALL_PROBLEM_ELEMENTS`` elements together (where
   compilation dominates; larger calls compile with XLA's defaults and run at full speed);
