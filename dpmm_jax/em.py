@@ -127,6 +127,26 @@ def squarem_proposal(x0, x1, x2, bounds: Dict[str, Tuple[float, float]], step_ma
   return x2._replace(**updates), at_max
 
 
+class SharedEStep(NamedTuple):
+  """A model whose M-step and log marginal likelihood start from the same E-step.
+
+  Pass it to :func:`run` as ``step`` (with ``log_marginal_likelihood=None``). Each EM
+  iteration needs the E-step twice: at the iterate, for the M-step, and at the new
+  iterate, for L. ``run`` then evaluates both, and L at the initial point, with one
+  copy of the E-step in the compiled loop (an inner loop of two passes), where separate
+  functions would compile it three times. Each pass also forms L at its own input, so
+  the first pass gives the initial L.
+
+  e_step: (hyper, stats) -> E, any pytree (e.g. the coupled model's class grids and
+    log joint densities over them).
+  m_step: (hyper, stats, E) -> (new hyper, NewtonInfo).
+  log_marginal_terms: (hyper, stats, E) -> additive terms of L at ``hyper``.
+  """
+  e_step: Callable
+  m_step: Callable
+  log_marginal_terms: Callable
+
+
 # A plain EM step that lowers L by at most this many eps times the total size of L's
 # terms ends EM as converged (round-off, see ``run``).
 NOISE_FLOOR_ULPS = 8.0
@@ -192,12 +212,24 @@ def run(step: Callable, log_marginal_likelihood: Callable, init_hyper, stats, *,
       raise ValueError(f"trace_length must exceed max_iter: got trace_length={length}, "
                        f"max_iter={max_iter} (em.trace_length(max_iter) gives one).")
     max_iter = jnp.minimum(max_iter, length - 1)    # the loop never writes past the trace
-  lml0, mag0 = _sum_and_magnitude(log_marginal_likelihood(init_hyper, stats))
+  shared = isinstance(step, SharedEStep)
+  if shared:
+    if log_marginal_likelihood is not None:
+      raise ValueError("em.run: a SharedEStep computes L itself; pass "
+                       "log_marginal_likelihood=None.")
+    advance, newton_init, dtype = _shared_advance(step, init_hyper, stats)
+    # L at the initial point comes from the loop's first pass (``first`` below).
+    lml0 = mag0 = jnp.array(jnp.nan, dtype)
+  else:
+    def advance(hyper):
+      new_hyper, newton = step(hyper, stats)
+      return new_hyper, newton, None, log_marginal_likelihood(new_hyper, stats)
+    lml0, mag0 = _sum_and_magnitude(log_marginal_likelihood(init_hyper, stats))
+    _, newton0 = jax.eval_shape(step, init_hyper, stats)
+    newton_init = _zeros_like(newton0)
   trace = jnp.full((length,), jnp.nan, lml0.dtype).at[0].set(lml0)
   mags = jnp.full((length,), jnp.nan, lml0.dtype).at[0].set(mag0)
   kinds = jnp.full((length,), -1, jnp.int32)
-  _, newton0 = jax.eval_shape(step, init_hyper, stats)
-  newton_init = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), newton0)
   enabled = jnp.asarray(accelerate, bool) & (extrapolate is not None)
   probe = _CapProbe(caps) if caps else None
 
@@ -212,10 +244,12 @@ def run(step: Callable, log_marginal_likelihood: Callable, init_hyper, stats, *,
 
   def cond(carry):
     # A cap probe under way always finishes (it decides whether the loop converged).
-    return (((carry["it"] < max_iter) | (carry["kind"] == _PROBE))
-            & ~carry["converged"])
+    go_on = (carry["it"] < max_iter) | (carry["kind"] == _PROBE)
+    if shared:
+      go_on = go_on | carry["first"]    # the first pass gives L at the initial point
+    return go_on & ~carry["converged"]
 
-  def body(carry):
+  def iterate(carry, new_hyper, newton, new_terms):
     # When a proposal (boundary candidate or SQUAREM extrapolation) is pending,
     # carry["hyper"] is that proposal and this iteration's step evaluates it;
     # carry["fallback"] holds the plain EM iterate it competes with. During a cap probe
@@ -224,9 +258,8 @@ def run(step: Callable, log_marginal_likelihood: Callable, init_hyper, stats, *,
     # inside the proposal, keeps one copy of the step in the compiled loop.
     lml, it, kind = carry["lml"], carry["it"], carry["kind"]
     pending = (kind != _POINT) & (kind != _PROBE)
-    new_hyper, newton = step(carry["hyper"], stats)
     stepped = new_hyper
-    new_lml, magnitude = _sum_and_magnitude(log_marginal_likelihood(new_hyper, stats))
+    new_lml, magnitude = _sum_and_magnitude(new_terms)
     fb_hyper, fb_newton, fb_small, fb_magnitude = carry["fallback"]
     # A boundary candidate may lower L by round-off (tol); an extrapolation may not.
     slack = jnp.where(kind == _BOUNDARY, tol * jnp.maximum(1.0, jnp.abs(lml)), 0.0)
@@ -283,6 +316,19 @@ def run(step: Callable, log_marginal_likelihood: Callable, init_hyper, stats, *,
     out = _pick(attempt, started, out)
     return _pick(kind == _PROBE, probe.advance(carry, stepped), out)
 
+  def body(carry):
+    new_hyper, newton, input_terms, new_terms = advance(carry["hyper"])
+    if not shared:
+      return iterate(carry, new_hyper, newton, new_terms)
+    # The first pass records L at the initial point (its step's input) and goes on as
+    # an ordinary iteration from there; with max_iter = 0 it only records L.
+    lml_in, magnitude_in = _sum_and_magnitude(input_terms)
+    started = dict(carry, lml=lml_in, trace=carry["trace"].at[0].set(lml_in),
+                   mags=carry["mags"].at[0].set(magnitude_in), first=jnp.array(False),
+                   fallback=(carry["hyper"], newton_init, jnp.array(False), magnitude_in))
+    out = iterate(_pick(carry["first"], started, carry), new_hyper, newton, new_terms)
+    return _pick(carry["first"] & (max_iter <= 0), started, out)
+
   init = dict(hyper=init_hyper, lml=lml0, trace=trace, mags=mags, kinds=kinds,
               it=jnp.array(0, jnp.int32),
               converged=jnp.array(False), newton=newton_init, tried=jnp.array(False),
@@ -290,6 +336,8 @@ def run(step: Callable, log_marginal_likelihood: Callable, init_hyper, stats, *,
               fallback=(init_hyper, newton_init, jnp.array(False), mag0), prev=init_hyper,
               chain=jnp.array(False), step_max=jnp.asarray(_STEP_MAX0, lml0.dtype),
               at_max=jnp.array(False))
+  if shared:
+    init["first"] = jnp.array(True)
   if probe is not None:
     init.update(probe_index=jnp.array(0, jnp.int32), probe_up=probe.no_moves(init_hyper),
                 deferred=(init_hyper, jnp.array(_POINT, jnp.int32), jnp.array(False),
@@ -301,6 +349,43 @@ def run(step: Callable, log_marginal_likelihood: Callable, init_hyper, stats, *,
   newton = out["newton"]
   return hyper, EMInfo(out["trace"], out["it"], out["converged"], newton, out["kinds"],
                        out["mags"])
+
+
+def _zeros_like(shapes):
+  """Pytree of zeros shaped like a pytree of ShapeDtypeStructs."""
+  return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def _shared_advance(model: SharedEStep, init_hyper, stats):
+  """(advance, zero NewtonInfo, L's dtype) for :func:`run` with a ``SharedEStep``.
+
+  ``advance(hyper) -> (F(hyper), NewtonInfo, L terms at hyper, L terms at F(hyper))``
+  runs two passes of one loop body: E-step and L at the pass's input, and on the first
+  pass the M-step. The loop keeps the E-step's code single in the compiled program
+  (XLA:CPU does not unroll it: the coupled fit's program keeps the loop).
+  """
+  def whole_step(hyper):
+    e = model.e_step(hyper, stats)
+    return model.m_step(hyper, stats, e), model.log_marginal_terms(hyper, stats, e)
+  (hyper_shapes, newton_shapes), terms_shape = jax.eval_shape(whole_step, init_hyper)
+  newton_init = _zeros_like(newton_shapes)
+  cast = lambda tree, shapes: jax.tree_util.tree_map(
+      lambda a, s: jnp.asarray(a, s.dtype), tree, shapes)
+
+  def advance(hyper):
+    def one_pass(i, carry):
+      z, newton, input_terms, _ = carry
+      e = model.e_step(z, stats)
+      terms = jnp.asarray(model.log_marginal_terms(z, stats, e), terms_shape.dtype)
+      new_z, newton = jax.lax.cond(
+          i == 0, lambda: cast(model.m_step(z, stats, e), (hyper_shapes, newton_shapes)),
+          lambda: (z, newton))
+      return new_z, newton, jnp.where(i == 0, terms, input_terms), terms
+    zeros = jnp.zeros(terms_shape.shape, terms_shape.dtype)
+    hyper = cast(hyper, hyper_shapes)
+    return jax.lax.fori_loop(0, 2, one_pass, (hyper, newton_init, zeros, zeros))
+
+  return advance, newton_init, terms_shape.dtype
 
 
 def _pick(flag, a, b):

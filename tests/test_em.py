@@ -285,6 +285,60 @@ def test_cap_probe_by_the_loop_step_equals_the_separate_proposal(beyond_cap, acc
     em.run(_toy_step, _toy_lml, init, target, caps=_TOY_CAPS, boundary=_reference_caps)
 
 
+# The toy model as a SharedEStep: the "E-step" passes the target on to the M-step and L.
+_TOY_SHARED = em.SharedEStep(
+    e_step=lambda h, target: jnp.asarray(target),
+    m_step=lambda h, target, e: _toy_step(h, e),
+    log_marginal_terms=lambda h, target, e: _toy_lml(h, e))
+
+
+@pytest.mark.parametrize("max_iter", [0, 1, 5, 100])
+@pytest.mark.parametrize("accelerate", [False, True])
+def test_a_shared_e_step_runs_the_same_em_as_separate_functions(accelerate, max_iter):
+  """em.run with a ``SharedEStep`` (one E-step for the M-step and L, the initial L from
+  the loop's first pass) takes the path of em.run with the step and L as separate
+  functions: same trace, step kinds, iteration count and end point, with caps probes
+  and SQUAREM on, also for max_iter = 0 (L at the initial point only) and 1."""
+  target = jnp.array([10.0, 1.0])
+  init = _Toy(jnp.zeros(2), jnp.array(1.5), jnp.array(0.0))
+  kwargs = dict(tol=1e-9, max_iter=max_iter, accelerate=accelerate, boundary_every=5,
+                caps=_TOY_CAPS, extrapolate={"a": (-1.0, 3.0), "c": (-1.0, 10.0)})
+  want, ref = em.run(_toy_step, _toy_lml, init, target, **kwargs)
+  got, info = jax.jit(lambda t: em.run(_TOY_SHARED, None, init, t, **kwargs))(target)
+  assert int(info.num_iters) == int(ref.num_iters) == min(max_iter, int(ref.num_iters))
+  if max_iter == 0:
+    assert int(info.num_iters) == 0 and not bool(info.converged)
+  assert bool(info.converged) == bool(ref.converged)
+  np.testing.assert_array_equal(info.step_kind, ref.step_kind)
+  np.testing.assert_allclose(info.log_marginal_trace, ref.log_marginal_trace, rtol=1e-6)
+  np.testing.assert_allclose(info.magnitude_trace, ref.magnitude_trace, rtol=1e-6)
+  assert np.isfinite(float(info.log_marginal_trace[0]))
+  for field in _Toy._fields:
+    np.testing.assert_allclose(getattr(got, field), getattr(want, field), rtol=1e-6)
+  with pytest.raises(ValueError, match="SharedEStep"):
+    em.run(_TOY_SHARED, _toy_lml, init, target)
+
+
+def test_the_coupled_fit_shares_its_e_step_and_matches_the_separate_functions():
+  """coupled.fit_hyper (a SharedEStep) against em.run over coupled.em_step and
+  coupled.log_marginal_terms, the same E-step compiled in two places: the same number of
+  iterations and step kinds, L within float32 round-off of its terms (the two programs
+  fuse the arithmetic differently)."""
+  st = _synthetic_stats(0, full_stats=False)
+  init = coupled.init_hyper(st)
+  got, info = coupled.fit_hyper(st, max_iter=50)
+  want, ref = em.run(coupled.em_step, coupled.log_marginal_terms, init, st, max_iter=50,
+                     caps=coupled.boundary_caps(),
+                     extrapolate=coupled.extrapolation_bounds())
+  n = int(ref.num_iters)
+  assert bool(ref.converged) and int(info.num_iters) == n
+  np.testing.assert_array_equal(info.step_kind, ref.step_kind)
+  trace, ref_trace = (np.asarray(i.log_marginal_trace[:n + 1], np.float64) for i in (info, ref))
+  round_off = 64 * np.finfo(np.float32).eps * np.asarray(ref.magnitude_trace[:n + 1])
+  assert np.all(np.abs(trace - ref_trace) <= round_off), (trace - ref_trace, round_off)
+  np.testing.assert_allclose(got.gamma_shape, want.gamma_shape, rtol=1e-4)
+
+
 def test_rejected_boundary_candidates_leave_the_em_path_unchanged():
   """A boundary proposal whose candidate is worse (here: the prior location moved far
   away, which the M-step keeps) is evaluated by the next step and rejected: EM resumes

@@ -161,11 +161,24 @@ def class_grid(hyper: Hyper, stats, num_nodes: int, half_width: float):
   return quadrature.centred_grid(mode, scale, num_nodes, half_width)
 
 
+class EStep(NamedTuple):
+  """The E-step's class grids (K, P) over u = log gamma_k and the log joint on them."""
+  grid: quadrature.Grid
+  log_joint: jax.Array
+
+
+def e_step(hyper: Hyper, stats, options=QuadratureOptions()) -> EStep:
+  grid = class_grid(hyper, stats, options.em_nodes, options.em_half_width)
+  return EStep(grid, class_log_joint(hyper, stats, grid.nodes))
+
+
+def _log_marginal_terms_from(hyper: Hyper, stats, e: EStep):
+  return stats_lib.nonempty_terms(stats.count, quadrature.log_integral(e.grid, e.log_joint))
+
+
 def log_marginal_terms(hyper: Hyper, stats, options=QuadratureOptions()):
   """(K,) log p(X_k | hyper), integrated over log gamma_k on the class grid."""
-  grid = class_grid(hyper, stats, options.em_nodes, options.em_half_width)
-  return stats_lib.nonempty_terms(
-      stats.count, quadrature.log_integral(grid, class_log_joint(hyper, stats, grid.nodes)))
+  return _log_marginal_terms_from(hyper, stats, e_step(hyper, stats, options))
 
 
 def log_marginal_likelihood(hyper: Hyper, stats, options=QuadratureOptions()):
@@ -181,9 +194,14 @@ def gamma_shape_derivatives(shape, stat_sum, num_classes):
 
 def em_step(hyper: Hyper, stats, *, df_cap=1e6, shape_cap=1e6,
             options=QuadratureOptions()):
-  grid = class_grid(hyper, stats, options.em_nodes, options.em_half_width)
-  weights = jnp.exp(quadrature.normalized_log_weights(
-      grid, class_log_joint(hyper, stats, grid.nodes)))                # (K, P)
+  return m_step(hyper, stats, e_step(hyper, stats, options), df_cap=df_cap,
+                shape_cap=shape_cap)
+
+
+def m_step(hyper: Hyper, stats, e: EStep, *, df_cap=1e6, shape_cap=1e6):
+  """(new Hyper, NewtonInfo): the M-step given the E-step ``e`` at ``hyper``."""
+  grid = e.grid
+  weights = jnp.exp(quadrature.normalized_log_weights(grid, e.log_joint))   # (K, P)
   gamma = jnp.exp(grid.nodes)
   _, post = _node_posteriors(hyper, stats, gamma)
   kappa0, df, df_info = diag.update_concentrations(
@@ -214,9 +232,10 @@ def extrapolation_bounds(df_cap=1e6, shape_cap=1e6):
 def fit_hyper(stats, *, df=None, mean_concentration=None, gamma_shape=None, tol=1e-6,
               max_iter=100, df_cap=1e6, options=QuadratureOptions(), accelerate=True,
               trace_length=None):
-  step = functools.partial(em_step, df_cap=df_cap, options=options)
-  lml = functools.partial(log_marginal_terms, options=options)
-  return em.run(step, lml, init_hyper(stats, df, mean_concentration, gamma_shape), stats,
+  # The M-step and L share the E-step: one copy of it in the compiled loop.
+  step = em.SharedEStep(functools.partial(e_step, options=options),
+                        functools.partial(m_step, df_cap=df_cap), _log_marginal_terms_from)
+  return em.run(step, None, init_hyper(stats, df, mean_concentration, gamma_shape), stats,
                 tol=tol, max_iter=max_iter,
                 caps=boundary_caps(df_cap),
                 extrapolate=extrapolation_bounds(df_cap), accelerate=accelerate,
