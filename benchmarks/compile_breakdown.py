@@ -12,11 +12,15 @@ a library function for a reduced one in that process only, to price the part:
 * ``no SQUAREM``, ``neither``: without the extrapolation, without both;
 * ``step``, ``log marginal``, ``params``: one EM step, the log marginal likelihood terms,
   ``params_from_hyper`` alone;
-* coupled ``log_predictive`` with and without the prior's block (a second copy of the
-  scoring branches, on the prior's 129-node grid) and with the prior scored by the
-  mixture branches only (no per-point tail path).
+* coupled ``log_predictive`` (since session 17 the prior is scored by the classes'
+  compiled branches, as pseudo-classes; the variants that priced a separate prior block
+  until then are gone).
 
-    python benchmarks/compile_breakdown.py [--classes 3] [--dim 4] [--markdown out.md]
+Programs compile with the library's small-problem options (``compiler.CPU_COMPILER_OPTIONS``,
+what ``fit_detector`` uses for them) unless ``--xla-defaults`` is given.
+
+    python benchmarks/compile_breakdown.py [--classes 3] [--dim 4] [--xla-defaults]
+        [--markdown out.md]
 """
 import argparse
 import json
@@ -27,18 +31,21 @@ import time
 
 FIT_VARIANTS = ("fit_hyper", "no boundary", "no SQUAREM", "neither", "step", "log marginal",
                 "params")
-SCORE_VARIANTS = ("log_predictive", "without the prior's block", "prior by mixture only")
+SCORE_VARIANTS = ("log_predictive",)
 
 
-def _child(model: str, variant: str, num_classes: int, dim: int) -> dict:
-  """Compiles one program in this process; returns its timings."""
+def _child(model: str, variant: str, num_classes: int, dim: int, options: bool) -> dict:
+  """Compiles one program in this process (with the library's compile options if
+  ``options`` and this jaxlib takes them); returns its timings."""
   import numpy as np  # pylint: disable=g-import-not-at-top
   import jax
   import jax.numpy as jnp
+  from dpmm_jax import compiler
   from dpmm_jax import em
   from dpmm_jax import stats as stats_lib
   from dpmm_jax.models import coupled, diag, full
 
+  compiler_options = compiler.options() if options else None
   module = {"diag": diag, "coupled": coupled, "full": full}[model]
   rng = np.random.default_rng(0)
   y = np.repeat(np.arange(num_classes), 20).astype(np.int32)
@@ -70,22 +77,10 @@ def _child(model: str, variant: str, num_classes: int, dim: int) -> dict:
   else:   # the coupled scorer
     params, _ = coupled.fit(stats)
     test_x = jnp.asarray(3.0 * rng.normal(size=(64, dim)).astype(np.float32))
-    block = coupled._block_with_tails  # pylint: disable=protected-access
-    calls = []
-
-    def reduced_block(xx, terms, num_nodes):
-      calls.append(None)
-      if len(calls) == 2 and variant == "without the prior's block":
-        return jnp.zeros((xx.shape[0], 1), xx.dtype)
-      if len(calls) == 2 and variant == "prior by mixture only":
-        return coupled._adaptive_block(xx, terms[0])  # pylint: disable=protected-access
-      return block(xx, terms, num_nodes)
-
-    coupled._block_with_tails = reduced_block  # pylint: disable=protected-access
     fn = coupled.log_predictive     # the fitted parameters are an argument, as in the API
     args = (params, test_x)
   t0 = time.perf_counter()
-  lowered = jax.jit(fn).lower(*args)
+  lowered = jax.jit(fn, compiler_options=compiler_options).lower(*args)
   t1 = time.perf_counter()
   compiled = lowered.compile()
   t2 = time.perf_counter()
@@ -99,23 +94,28 @@ def main(argv=None) -> int:
   parser.add_argument("--dim", type=int, default=4, help="D")
   parser.add_argument("--models", default="diag,coupled,full", help="comma-separated")
   parser.add_argument("--markdown", default=None, help="also write the table here")
+  parser.add_argument("--xla-defaults", action="store_true",
+                      help="compile with XLA's defaults, not the library's small-problem "
+                           "options")
   parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args.child:
     model, variant = args.child.split(":", 1)
-    print(json.dumps(_child(model, variant, args.classes, args.dim)))
+    print(json.dumps(_child(model, variant, args.classes, args.dim, not args.xla_defaults)))
     return 0
   env = dict(os.environ, DPMM_JAX_COMPILATION_CACHE="0")
   jobs = [(m, v) for m in args.models.split(",") for v in FIT_VARIANTS]
   if "coupled" in args.models.split(","):
     jobs += [("coupled", v) for v in SCORE_VARIANTS]
   lines = [f"Compile time by part, K = {args.classes}, D = {args.dim}, float32, one fresh "
-           "process per row, persistent cache off.", "",
+           "process per row, persistent cache off, "
+           + ("XLA's defaults." if args.xla_defaults else "the library's compile options."), "",
            "| model | program | lower s | XLA compile s | optimised HLO lines |",
            "|---|---|---|---|---|"]
   for model, variant in jobs:
     out = subprocess.run([sys.executable, __file__, "--classes", str(args.classes), "--dim",
-                          str(args.dim), "--child", f"{model}:{variant}"],
+                          str(args.dim), "--child", f"{model}:{variant}"]
+                         + (["--xla-defaults"] if args.xla_defaults else []),
                          env=env, capture_output=True, text=True, check=True)
     row = json.loads(out.stdout.strip().splitlines()[-1])
     if not row:
