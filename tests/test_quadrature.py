@@ -159,8 +159,9 @@ def test_posterior_mode_settles_where_float32_round_off_makes_newton_bounce():
   hyperparameters a coupled fit ended at: the float32 Newton iterates of class 2 bounce
   between two values 1.4e-6 apart (gradient round-off ~1e-5 on terms of size nu0), never
   meeting the 1e-6 tolerance, and the search reported no convergence (a fit warning).
-  A small step that reverses the previous one now ends a class's search: converged, and
-  every class's mode within 1e-3 Laplace widths of the float64 maximiser."""
+  The search now also ends when each class's step is below the tolerance or a small one
+  that reverses its last: converged, and every class's mode within 1e-3 Laplace widths
+  of the float64 maximiser."""
   x = np.array([[3.8162364e+07, 2.9127309e+08], [1.4361208e+08, -3.6827792e+08],
                 [1.0259888e+08, -3.4881117e+08], [9.2774160e+06, -4.0350288e+08],
                 [4.0308436e+07, -3.4479318e+08], [1.0397756e+08, -4.1348726e+08],

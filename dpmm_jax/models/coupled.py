@@ -126,28 +126,26 @@ def posterior_mode(hyper: Hyper, stats):
     return grad, hess
 
   def body(carry):
-    u, last_move, done, it = carry
+    u, last_move, _, it = carry
     grad, hess = derivatives(u)
     step = jnp.clip(-grad / hess, -_MAX_U_STEP, _MAX_U_STEP)
     new_u = jnp.clip(u + step, -_U_BOUND, _U_BOUND)
     move = new_u - u
-    # Settled: a step below the tolerance, or a small one that reverses the last
-    # (round-off; see _MODE_BOUNCE). The settling step is taken, then u stays.
-    settled = ((jnp.abs(move) <= _MODE_TOL)
-               | ((move * last_move < 0) & (jnp.abs(move) <= _MODE_BOUNCE)))
-    return (jnp.where(done, u, new_u), jnp.where(done, last_move, move),
-            done | settled, it + 1)
+    # Every class moves until, in one iteration, each step is below the tolerance or
+    # is a small one that reverses the last (round-off; see _MODE_BOUNCE).
+    settled = jnp.all((jnp.abs(move) <= _MODE_TOL)
+                      | ((move * last_move < 0) & (jnp.abs(move) <= _MODE_BOUNCE)))
+    return new_u, move, settled, it + 1
 
   def cond(carry):
-    _, _, done, it = carry
-    return ~jnp.all(done) & (it < _MODE_MAX_ITER)
+    _, _, settled, it = carry
+    return ~settled & (it < _MODE_MAX_ITER)
 
   u0 = jnp.zeros(stats.count.shape, stats.mean.dtype)
-  u, _, done, _ = jax.lax.while_loop(cond, body, (u0, jnp.zeros_like(u0),
-                                                  jnp.zeros(u0.shape, bool),
-                                                  jnp.array(0, jnp.int32)))
+  u, _, settled, _ = jax.lax.while_loop(cond, body, (u0, jnp.zeros_like(u0), jnp.array(False),
+                                                     jnp.array(0, jnp.int32)))
   _, hess = derivatives(u)
-  return u, 1.0 / jnp.sqrt(-hess), jnp.all(done)
+  return u, 1.0 / jnp.sqrt(-hess), settled
 
 
 def _node_posteriors(hyper: Hyper, stats, gamma):
