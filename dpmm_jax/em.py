@@ -45,7 +45,7 @@ what every iteration was. Every iteration is one EM step and one evaluation of L
 """
 import functools
 import numbers
-from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -158,7 +158,8 @@ def _sum_and_magnitude(terms):
   return jnp.sum(terms), jnp.sum(jnp.abs(terms))
 
 
-def run(step: Callable, log_marginal_likelihood: Callable, init_hyper, stats, *,
+def run(step: Union[Callable, SharedEStep], log_marginal_likelihood: Optional[Callable],
+        init_hyper, stats, *,
         tol: float = 1e-6, max_iter: int = 100,
         caps: Optional[Dict[str, Tuple[Any, bool]]] = None,
         boundary: Optional[Callable] = None, boundary_every: int = 10,
@@ -167,9 +168,11 @@ def run(step: Callable, log_marginal_likelihood: Callable, init_hyper, stats, *,
   """Runs EM to a relative tolerance on the log marginal likelihood.
 
   Args:
-    step: (hyper, stats) -> (hyper, newton_info) ; one E-step and M-step.
+    step: (hyper, stats) -> (hyper, newton_info) ; one E-step and M-step. Or a
+      ``SharedEStep``, whose M-step and L start from one E-step (compiled once).
     log_marginal_likelihood: (hyper, stats) -> its additive terms (any shape, e.g. per
       class; summed here) or the scalar. The terms' total size sets the round-off floor.
+      None with a ``SharedEStep``.
     init_hyper: initial hyperparameter pytree.
     stats: SufficientStats.
     tol: relative tolerance |L_t - L_{t-1}| <= tol * max(1, |L_t|) on a plain EM step.
