@@ -305,7 +305,7 @@ def test_a_shared_e_step_runs_the_same_em_as_separate_functions(accelerate, max_
                 caps=_TOY_CAPS, extrapolate={"a": (-1.0, 3.0), "c": (-1.0, 10.0)})
   want, ref = em.run(_toy_step, _toy_lml, init, target, **kwargs)
   got, info = jax.jit(lambda t: em.run(_TOY_SHARED, None, init, t, **kwargs))(target)
-  assert int(info.num_iters) == int(ref.num_iters) == min(max_iter, int(ref.num_iters))
+  assert int(info.num_iters) == int(ref.num_iters)
   if max_iter == 0:
     assert int(info.num_iters) == 0 and not bool(info.converged)
   assert bool(info.converged) == bool(ref.converged)
@@ -322,8 +322,9 @@ def test_a_shared_e_step_runs_the_same_em_as_separate_functions(accelerate, max_
 def test_the_coupled_fit_shares_its_e_step_and_matches_the_separate_functions():
   """coupled.fit_hyper (a SharedEStep) against em.run over coupled.em_step and
   coupled.log_marginal_terms, the same E-step compiled in two places: the same number of
-  iterations and step kinds, L within float32 round-off of its terms (the two programs
-  fuse the arithmetic differently)."""
+  iterations and step kinds, L within em.run's round-off floor of its terms (the two
+  programs fuse the arithmetic differently; 1.1 eps sum|terms| seen) and alpha0 to 1e-5
+  (2.5e-7 seen)."""
   st = _synthetic_stats(0, full_stats=False)
   init = coupled.init_hyper(st)
   got, info = coupled.fit_hyper(st, max_iter=50)
@@ -334,9 +335,10 @@ def test_the_coupled_fit_shares_its_e_step_and_matches_the_separate_functions():
   assert bool(ref.converged) and int(info.num_iters) == n
   np.testing.assert_array_equal(info.step_kind, ref.step_kind)
   trace, ref_trace = (np.asarray(i.log_marginal_trace[:n + 1], np.float64) for i in (info, ref))
-  round_off = 64 * np.finfo(np.float32).eps * np.asarray(ref.magnitude_trace[:n + 1])
+  round_off = (em.NOISE_FLOOR_ULPS * np.finfo(np.float32).eps
+               * np.asarray(ref.magnitude_trace[:n + 1]))
   assert np.all(np.abs(trace - ref_trace) <= round_off), (trace - ref_trace, round_off)
-  np.testing.assert_allclose(got.gamma_shape, want.gamma_shape, rtol=1e-4)
+  np.testing.assert_allclose(got.gamma_shape, want.gamma_shape, rtol=1e-5)
 
 
 def test_rejected_boundary_candidates_leave_the_em_path_unchanged():

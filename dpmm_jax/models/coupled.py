@@ -36,10 +36,11 @@ _U_BOUND = U_BOUND
 _MAX_U_STEP = 2.0
 _MODE_TOL = 1e-6
 _MODE_MAX_ITER = 100
-# A class's search also ends when a step below this reverses the previous one: in
-# float32 the gradient's terms (of size nu0 and N_k) carry round-off that can move the
-# Newton step by more than _MODE_TOL, and the iterates then bounce between neighbours
-# (1.4e-6 apart at nu0 ~ 300, N_k = 5: tests/test_models.py).
+# The search also ends when every class's step is below _MODE_TOL or is below this
+# while reversing its previous step: in float32 the gradient's terms (of size nu0 and
+# N_k) carry round-off that can move the Newton step by more than _MODE_TOL, and the
+# iterates then bounce between neighbours (1.4e-6 apart at nu0 ~ 300, N_k = 5:
+# tests/test_quadrature.py).
 _MODE_BOUNCE = 1e-4
 
 
