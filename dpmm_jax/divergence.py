@@ -267,6 +267,39 @@ def drop(state: PartitionState) -> PartitionState:
       assign_y=jnp.where(state.assign_y == t, i, state.assign_y))
 
 
+class CountTerms(NamedTuple):
+  """The concentration ``delta`` and ``lgamma(delta + m)`` for every count m = 0..max_count.
+
+  The MH moves need ``lgamma(delta + count)`` at integer counts only (``_split_gain``), on
+  (L, D) and (L, D, 2, D) tables: one table per chain, read by index, replaces an
+  ``lgamma`` per use. XLA expands each ``lgamma`` into a few hundred instructions wherever
+  it occurs; with the six per gain the chain at D = 2-3 compiled 1.2-1.9 s slower and ran
+  up to 2x slower (``docs/results/divergence_count_terms.md``). The functions that take
+  ``delta`` accept a ``CountTerms`` in its place (``run_chain`` builds it once).
+
+  Attributes:
+    delta: () Dirichlet concentration.
+    log_gamma: (max_count + 1,) lgamma(delta + m).
+  """
+  delta: jax.Array
+  log_gamma: jax.Array
+
+
+def count_terms(delta, state: "PartitionState") -> CountTerms:
+  """``CountTerms`` for the counts a state's samples can reach (``delta`` itself if it
+  already is one). Counts are at most max(N1, N2)."""
+  if isinstance(delta, CountTerms):
+    return delta
+  delta = jnp.asarray(delta, jnp.float32)
+  max_count = max(state.assign_x.shape[-1], state.assign_y.shape[-1])
+  return CountTerms(delta, lax.lgamma(delta + jnp.arange(max_count + 1, dtype=jnp.float32)))
+
+
+def _delta(delta):
+  """The concentration of ``delta`` (a number or ``CountTerms``)."""
+  return delta.delta if isinstance(delta, CountTerms) else delta
+
+
 def _stacked_lgamma(*args):
   """lgamma of each argument (broadcast to one shape), as one ``lax.lgamma`` of a stack.
 
@@ -279,18 +312,13 @@ def _stacked_lgamma(*args):
   return lax.lgamma(jnp.stack(args))
 
 
-def _split_gain(n_x, n_y, u_x, u_y, delta):
-  """g: the box-specific part of log pi(A + (i,k)) - log pi(A) (counts of box i, upper half).
-
-  Separate lgammas, not ``_stacked_lgamma``: on the (L, D, 2, D) tables of the double move
-  the stack made the chain slower to run (D = 3, L = 128, 4 x 3,000 steps: 7.9-10.2 s
-  against 6.4-7.7 s), more than it saved in compilation.
-  """
+def _split_gain(n_x, n_y, u_x, u_y, terms: CountTerms):
+  """g: the box-specific part of log pi(A + (i,k)) - log pi(A) (integer counts of box i
+  and of its upper half), with lgamma(delta + count) read from ``terms``."""
+  lg = terms.log_gamma
   out = jnp.asarray(n_x + n_y, jnp.float32) * _LOG2
   for n, u in ((n_x, u_x), (n_y, u_y)):
-    n = jnp.asarray(n, jnp.float32)
-    u = jnp.asarray(u, jnp.float32)
-    out += lax.lgamma(delta + u) + lax.lgamma(delta + n - u) - lax.lgamma(delta + n)
+    out += lg[u] + lg[n - u] - lg[n]
   return out
 
 
@@ -299,7 +327,7 @@ def _level_gain(l, state, delta, sigma):
   dim = state.lower.shape[-1]
   lf = jnp.asarray(l, jnp.float32)
   out = -sigma - jnp.log(lf * dim)
-  d = jnp.asarray(delta, jnp.float32)
+  d = jnp.asarray(_delta(delta), jnp.float32)
   args = []
   for count in (state.count_x, state.count_y):
     n = jnp.sum(jnp.where(jnp.arange(count.shape[0]) < state.num_regions, count, 0))
@@ -368,7 +396,8 @@ def proposal_log_probs(state: PartitionState, x, y, kernel: str, delta):
   if kernel != "data":
     raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}.")
   hx, hy = half_counts(state, x, y)
-  g = _split_gain(state.count_x[:, None], state.count_y[:, None], hx, hy, delta)
+  g = _split_gain(state.count_x[:, None], state.count_y[:, None], hx, hy,
+                  count_terms(delta, state))
   g = jnp.where(valid, g, -jnp.inf)
   return g - jax.nn.logsumexp(g)
 
@@ -383,13 +412,14 @@ def double_proposal_log_probs(state: PartitionState, x, y, kernel: str, delta):
     return jnp.where(valid, logq, -jnp.inf)
   if kernel != "data":
     raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}.")
+  terms = count_terms(delta, state)
   hx, hy = half_counts(state, x, y)
   qx, qy = quarter_counts(state, x, y)
   nx, ny = state.count_x[:, None], state.count_y[:, None]
-  g1 = _split_gain(nx, ny, hx, hy, delta)  # (L, D)
+  g1 = _split_gain(nx, ny, hx, hy, terms)  # (L, D)
   child_x = jnp.stack([nx - hx, hx], axis=-1)[..., None]  # (L, D, 2, 1)
   child_y = jnp.stack([ny - hy, hy], axis=-1)[..., None]
-  g2 = _split_gain(child_x, child_y, qx, qy, delta)  # (L, D, 2, D)
+  g2 = _split_gain(child_x, child_y, qx, qy, terms)  # (L, D, 2, D)
   g = jnp.where(valid, g1[:, :, None, None] + g2, -jnp.inf)
   return g - jax.nn.logsumexp(g)
 
@@ -403,7 +433,8 @@ def _split_move(base, i, k, x, y, delta, sigma):
   """Halves box i of ``base`` along k; returns (state, log pi gain)."""
   grown, u_x, u_y = split(base, i, k, x, y)
   gain = (_level_gain(base.num_regions, base, delta, sigma)
-          + _split_gain(base.count_x[i], base.count_y[i], u_x, u_y, delta))
+          + _split_gain(base.count_x[i], base.count_y[i], u_x, u_y,
+                        count_terms(delta, base)))
   return grown, gain
 
 
@@ -427,7 +458,8 @@ def split_log_ratio(state, i, k, u_x, u_y, logq_ik, delta, sigma):
   """
   max_regions = state.lower.shape[0]
   gain = (_level_gain(state.num_regions, state, delta, sigma)
-          + _split_gain(state.count_x[i], state.count_y[i], u_x, u_y, delta))
+          + _split_gain(state.count_x[i], state.count_y[i], u_x, u_y,
+                        count_terms(delta, state)))
   l = state.num_regions
   log_up = jnp.log(_up_prob(l, max_regions))
   log_down = jnp.log1p(-_up_prob(l + 1, max_regions))
@@ -492,6 +524,7 @@ def single_step(state: PartitionState, key, x, y, kernel: str, delta, sigma):
 def _single_step(state, u, x, y, kernel, delta, sigma):
   """``single_step`` with its uniforms u: (_single_size(state),)."""
   max_regions, dim = state.lower.shape
+  delta = count_terms(delta, state)
   l = state.num_regions
   up = u[0] < _up_prob(l, max_regions)
   base = _tree_where(up, state, drop(state))
@@ -535,6 +568,7 @@ def double_step(state: PartitionState, key, x, y, kernel: str, delta, sigma):
 def _double_step(state, u, x, y, kernel, delta, sigma):
   """``double_step`` with its uniforms u: (_double_size(state),)."""
   max_regions = state.lower.shape[0]
+  delta = count_terms(delta, state)
   l = state.num_regions
   up = u[0] < _up_prob2(l, max_regions)
   base = _tree_where(up, state, drop(drop(state)))
@@ -614,6 +648,7 @@ def mcmc_step(state: PartitionState, key, x, y, kernel: str, delta, sigma,
   accepted single and double moves).
   """
   double = double_moves and state.lower.shape[0] >= 3
+  delta = count_terms(delta, state)
   n1, n2 = _single_size(state), _double_size(state)
   u = _uniforms(key, n1 + (n2 + _ROTATE_SIZE if double else 0))
   state, acc = _single_step(state, u[:n1], x, y, kernel, delta, sigma)
@@ -638,6 +673,7 @@ def transition_log_probs(state: PartitionState, x, y, kernel: str, delta, sigma,
   """
   max_regions, dim = state.lower.shape
   l = state.num_regions
+  delta = count_terms(delta, state)
   if order == 1:
     up_prob = _up_prob
     logq = proposal_log_probs(state, x, y, kernel, delta)
@@ -753,6 +789,7 @@ def run_chain(key, x, y, valid_x, valid_y, delta, sigma, alpha, config: Config) 
   sigma = jnp.float32(sigma)
   alpha = jnp.float32(alpha)
   state = init_state(x, y, valid_x, valid_y, config.max_regions, delta, sigma)
+  terms = count_terms(delta, state)
 
   # The keys of every step and draw, derived as burn-in keys from k_burn and, for draw j,
   # (thin step keys, draw key) from the j-th key of k_keep.
@@ -775,7 +812,7 @@ def run_chain(key, x, y, valid_x, valid_y, delta, sigma, alpha, config: Config) 
 
     def body(t, c):
       s, n_acc = c
-      s, acc = mcmc_step(s, step_keys[start + t], x, y, config.kernel, delta, sigma,
+      s, acc = mcmc_step(s, step_keys[start + t], x, y, config.kernel, terms, sigma,
                          config.double_moves)
       return s, n_acc + acc
 

@@ -207,6 +207,32 @@ def test_chain_visits_match_exact_posterior(dim, kernel, double_moves):
 
 # ----------------------------------------------------------- sampler pieces
 
+@pytest.mark.parametrize("delta", [0.01, 0.5, 3.7])
+def test_count_terms_give_the_data_kernel_its_lgamma_gains(delta):
+  """The table holds lgamma(delta + m) for every count a box can reach (m = 0..max(N1, N2)),
+  and the data kernel built from it equals g_ik computed with scipy in float64, both at
+  one box (every point in it: the table's last entry) and after three halvings."""
+  x, y = _tiny(2)
+  for seq in ((), ((0, 0), (1, 1), (0, 1))):
+    state = _state_of(seq, x, y, 6, 3.0)
+    terms = dv.count_terms(delta, state)
+    assert terms.log_gamma.shape == (max(x.shape[0], y.shape[0]) + 1,)
+    np.testing.assert_allclose(np.asarray(terms.log_gamma),
+                               special.gammaln(delta + np.arange(8.0)), rtol=2e-6, atol=2e-6)
+    assert dv.count_terms(terms, state) is terms
+    l = int(state.num_regions)
+    halves = [np.asarray(h, np.float64)[:l] for h in dv.half_counts(state, x, y)]
+    boxes = [np.asarray(c, np.float64)[:l, None] for c in (state.count_x, state.count_y)]
+    g = (boxes[0] + boxes[1]) * math.log(2.0) + sum(
+        special.gammaln(delta + u) + special.gammaln(delta + n - u) - special.gammaln(delta + n)
+        for n, u in zip(boxes, halves))
+    expected = g - special.logsumexp(g)
+    for given in (delta, terms):
+      logq = np.asarray(dv.proposal_log_probs(state, x, y, "data", given))
+      np.testing.assert_allclose(logq[:l], expected, rtol=1e-5, atol=1e-5)
+      assert np.all(np.isneginf(logq[l:]))
+
+
 def test_log_gamma_sample_matches_gamma():
   for a in (0.5, 1.0, 7.3):
     draws = np.exp(np.asarray(dv.log_gamma_sample(jax.random.PRNGKey(3),
