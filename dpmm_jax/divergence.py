@@ -273,9 +273,10 @@ class CountTerms(NamedTuple):
   The MH moves need ``lgamma(delta + count)`` at integer counts only (``_split_gain``), on
   (L, D) and (L, D, 2, D) tables: one table per chain, read by index, replaces an
   ``lgamma`` per use. XLA expands each ``lgamma`` into a few hundred instructions wherever
-  it occurs; with the six per gain the chain at D = 2-3 compiled 1.2-1.9 s slower and ran
-  up to 2x slower (``docs/results/divergence_count_terms.md``). The functions that take
-  ``delta`` accept a ``CountTerms`` in its place (``run_chain`` builds it once).
+  it occurs: with the six per gain the chain compiled in 3.7-4.4 s instead of 2.4-3.4 s at
+  D = 2-3, and 4 chains x 300 steps at D = 3 ran in 0.34-0.35 s instead of 0.13-0.14 s
+  (``benchmarks/RESULTS.md``, session 27). The functions that take ``delta`` accept a
+  ``CountTerms`` in its place (``run_chain`` builds it once).
 
   Attributes:
     delta: () Dirichlet concentration.
