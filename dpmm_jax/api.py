@@ -20,6 +20,7 @@ import numpy as np
 from dpmm_jax import compilation_cache
 from dpmm_jax import compiler
 from dpmm_jax import eb_uncertainty
+from dpmm_jax import em
 from dpmm_jax import precision
 from dpmm_jax import preprocess as preprocess_lib
 from dpmm_jax import scores as scores_lib
@@ -859,6 +860,43 @@ def _check_detector(det):
   return det
 
 
+def _padded_for_scoring(det: Detector, num_rows: int) -> Detector:
+  """``det`` with its classes padded to ``em.padded_num_classes`` (the fits' buckets:
+  8 for K <= 8, then at most 1/4 more), for calls scoring at most
+  ``compiler.SMALL_PROBLEM_ELEMENTS`` point x class x dimension triples; ``det`` itself
+  for larger calls (where the run, not the compilation, takes the time, and padding
+  would add work) and for models without ``CLASS_FIELDS`` (MDS, RMDS, MSP heads).
+
+  Padded classes are copies of class 0 with log count -inf: their class scores are -inf
+  and they add nothing to the log-sum-exp of the score, so the scores are those of
+  ``det`` (the columns past K are cut off by the caller). Detectors with nearby K then
+  share one compiled scorer (the test suite's K = 2-7 detectors, users' fits on class
+  subsets), as they share one compiled fit."""
+  fields = getattr(_MODULES.get(det.model), "CLASS_FIELDS", None)
+  num_classes = det.num_classes
+  if fields is None or num_rows * num_classes * det.input_dim > compiler.SMALL_PROBLEM_ELEMENTS:
+    return det
+  per_class = {f: getattr(det.params, f) for f in fields}
+  leaves = jax.tree_util.tree_leaves(per_class)
+  if any(isinstance(a, jax.core.Tracer) for a in leaves):
+    return det
+  elements = sum(int(np.prod(np.shape(a)[1:])) for a in leaves)
+  padded = em.padded_num_classes(num_classes, elements)
+  if padded == num_classes:
+    return det
+  extra = padded - num_classes
+
+  def pad(a):  # on the host: no compilation per shape
+    a = np.asarray(a)
+    return jnp.asarray(np.concatenate([a, np.repeat(a[:1], extra, axis=0)]))
+
+  per_class = jax.tree_util.tree_map(pad, per_class)
+  log_counts = np.asarray(det.params.log_counts).copy()
+  per_class["log_counts"] = jnp.asarray(
+      np.concatenate([log_counts, np.full(extra, -np.inf, log_counts.dtype)]))
+  return Detector(det.model, padded, det.transform, det.params._replace(**per_class))
+
+
 def _evaluate(det: Detector, x, chunk_size: int):
   _check_detector(det)
   chunk_size = validation.positive_int(chunk_size, "chunk_size")
@@ -869,7 +907,8 @@ def _evaluate(det: Detector, x, chunk_size: int):
     return (jnp.zeros((0, det.num_classes), dtype), jnp.zeros((0,), dtype))
   chunk_size = _chunk_rows(n, chunk_size)
   with _compiled_for(det, n):
-    return _evaluate_chunks(det, x, n, chunk_size, dtype)
+    return _evaluate_chunks(_padded_for_scoring(det, n), x, n, chunk_size, dtype,
+                            det.num_classes)
 
 
 def _compiled_for(det: Detector, num_rows: int):
@@ -884,7 +923,9 @@ def _compiled_for(det: Detector, num_rows: int):
   return contextlib.nullcontext()
 
 
-def _evaluate_chunks(det: Detector, x, n: int, chunk_size: int, dtype):
+def _evaluate_chunks(det: Detector, x, n: int, chunk_size: int, dtype, num_classes: int):
+  """(class scores (n, num_classes), scores (n,)); ``det`` may hold padded classes
+  beyond ``num_classes`` (``_padded_for_scoring``)."""
   inverse = _inverse_for_all_chunks(det)
   class_parts, score_parts = [], []
   for start in range(0, n, chunk_size):
@@ -895,7 +936,7 @@ def _evaluate_chunks(det: Detector, x, n: int, chunk_size: int, dtype):
     cs, s = _evaluate_chunk(det, jnp.asarray(xc, dtype), inverse)
     # Cut and joined on the host: on the device each cut length and each number of
     # chunks would compile a program of its own.
-    class_parts.append(np.asarray(cs)[:m])
+    class_parts.append(np.asarray(cs)[:m, :num_classes])
     score_parts.append(np.asarray(s)[:m])
   class_scores_ = np.concatenate(class_parts) if len(class_parts) > 1 else class_parts[0]
   scores = np.concatenate(score_parts) if len(score_parts) > 1 else score_parts[0]

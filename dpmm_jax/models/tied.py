@@ -58,6 +58,10 @@ class Params(NamedTuple):
   log_counts: jax.Array
 
 
+# Params fields with a leading class axis (``api.score`` pads them for small calls).
+CLASS_FIELDS = ("class_mean", "class_var", "log_counts")
+
+
 PRIOR_SCALES = ("empirical_bayes", "total")
 
 
