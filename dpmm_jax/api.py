@@ -860,12 +860,19 @@ def _check_detector(det):
   return det
 
 
+# ``score`` and the other evaluation calls pad a small detector's per-class parameters
+# (on the host, at each call) only while the padded copy holds at most this many
+# elements (1 MB in float32): a bigger copy would cost each call more than it saves.
+_PADDED_SCORING_MAX_ELEMENTS = 1 << 18
+
+
 def _padded_for_scoring(det: Detector, num_rows: int) -> Detector:
   """``det`` with its classes padded to ``em.padded_num_classes`` (the fits' buckets:
   8 for K <= 8, then at most 1/4 more), for calls scoring at most
-  ``compiler.SMALL_PROBLEM_ELEMENTS`` point x class x dimension triples; ``det`` itself
-  for larger calls (where the run, not the compilation, takes the time, and padding
-  would add work) and for models without ``CLASS_FIELDS`` (MDS, RMDS, MSP heads).
+  ``compiler.SMALL_PROBLEM_ELEMENTS`` point x class x dimension triples with per-class
+  parameters of at most ``_PADDED_SCORING_MAX_ELEMENTS`` elements once padded; ``det``
+  itself for larger calls (where the run, not the compilation, takes the time, and
+  padding would add work) and for models without ``CLASS_FIELDS`` (MDS, RMDS, MSP heads).
 
   Padded classes are copies of class 0 with log count -inf: their class scores are -inf
   and they add nothing to the log-sum-exp of the score, so the scores are those of
@@ -882,7 +889,7 @@ def _padded_for_scoring(det: Detector, num_rows: int) -> Detector:
     return det
   elements = sum(int(np.prod(np.shape(a)[1:])) for a in leaves)
   padded = em.padded_num_classes(num_classes, elements)
-  if padded == num_classes:
+  if padded == num_classes or padded * elements > _PADDED_SCORING_MAX_ELEMENTS:
     return det
   extra = padded - num_classes
 

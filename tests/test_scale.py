@@ -208,6 +208,36 @@ def test_api_scoring_batches_of_varying_size_share_compilations():
   assert api._evaluate_chunk._cache_size() - before <= 2
 
 
+@pytest.mark.parametrize("model", ["tied", "diag", "full", "coupled", "lowrank"])
+def test_api_scoring_of_nearby_class_counts_shares_one_compiled_scorer(model, monkeypatch):
+  """Detectors with K = 3 and K = 5 (dimension private to this test) are scored by one
+  program compiled for 8 classes, and their scores are the model's own: log N_k +
+  log p(x | D_k) per class and logsumexp_k - log p(x), computed here without the API.
+  A call with more point x class x dimension triples than the small-problem bound, or
+  whose padded parameters would exceed their bound, is scored at its own K."""
+  x, y = _labelled(9, 600, 5, 15)
+  xt = _labelled(10, 40, 5, 15)[0] + 2.0
+  dets = [api.fit_detector(x[y < k], y[y < k], model=model) for k in (3, 5)]
+  before = api._evaluate_chunk._cache_size()
+  for det in dets:
+    got_class, got = api.class_scores(det, xt), api.score(det, xt)
+    assert got_class.shape == (40, det.num_classes)
+    z = api.preprocess_lib.apply(det.transform, jnp.asarray(xt))
+    class_lp, prior_lp = api._MODULES[model].log_predictive(det.params, z)
+    want_class = det.params.log_counts + class_lp
+    np.testing.assert_allclose(got_class, want_class, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, sps.logsumexp(np.asarray(want_class), axis=-1)
+                               - np.asarray(prior_lp), rtol=1e-5, atol=1e-5)
+  assert api._evaluate_chunk._cache_size() - before == 1, model
+  small = api._padded_for_scoring(dets[0], 40)
+  assert small.num_classes == 8
+  np.testing.assert_array_equal(small.params.log_counts[3:], -np.inf)
+  many_rows = api.compiler.SMALL_PROBLEM_ELEMENTS // (3 * dets[0].input_dim) + 1
+  assert api._padded_for_scoring(dets[0], many_rows) is dets[0]
+  monkeypatch.setattr(api, "_PADDED_SCORING_MAX_ELEMENTS", 8 * small.input_dim)
+  assert api._padded_for_scoring(dets[0], 40) is dets[0]
+
+
 # ---------------------------------------------------------------- full covariance
 def _full_stats(seed, num_classes, dim, per_class):
   x, y = _labelled(seed, num_classes * per_class, num_classes, dim, offset=5.0)
