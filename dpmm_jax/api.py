@@ -891,17 +891,22 @@ def _padded_for_scoring(det: Detector, num_rows: int) -> Detector:
   padded = em.padded_num_classes(num_classes, elements)
   if padded == num_classes or padded * elements > _PADDED_SCORING_MAX_ELEMENTS:
     return det
-  extra = padded - num_classes
+  return Detector(det.model, padded, det.transform,
+                  det.params._replace(**_pad_class_fields(per_class, padded)))
 
-  def pad(a):  # on the host: no compilation per shape
-    a = np.asarray(a)
-    return jnp.asarray(np.concatenate([a, np.repeat(a[:1], extra, axis=0)]))
 
-  per_class = jax.tree_util.tree_map(pad, per_class)
-  log_counts = np.asarray(det.params.log_counts).copy()
-  per_class["log_counts"] = jnp.asarray(
-      np.concatenate([log_counts, np.full(extra, -np.inf, log_counts.dtype)]))
-  return Detector(det.model, padded, det.transform, det.params._replace(**per_class))
+@functools.partial(compiler.jit, static_argnames=("padded",))
+def _pad_class_fields(per_class, padded: int):
+  """Per-class fields {name: (K, ...) pytree} padded to ``padded`` classes with copies of
+  class 0; the padded log counts are -inf. One small program per (model, K, padded):
+  padding on the host instead cost each call 0.1-0.4 ms (diag, coupled)."""
+  def pad(a):
+    return jnp.concatenate([a, jnp.broadcast_to(a[:1], (padded - a.shape[0],) + a.shape[1:])])
+
+  out = jax.tree_util.tree_map(pad, per_class)
+  num_classes = per_class["log_counts"].shape[0]
+  out["log_counts"] = out["log_counts"].at[num_classes:].set(-jnp.inf)
+  return out
 
 
 def _evaluate(det: Detector, x, chunk_size: int):
