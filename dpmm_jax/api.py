@@ -861,8 +861,9 @@ def _check_detector(det):
 
 
 # ``score`` and the other evaluation calls pad a small detector's per-class parameters
-# (on the host, at each call) only while the padded copy holds at most this many
-# elements (1 MB in float32): a bigger copy would cost each call more than it saves.
+# (a copy made at each call by ``_pad_class_fields``) only while the padded copy holds at
+# most this many elements (1 MB in float32): a bigger copy would cost each call more than
+# it saves.
 _PADDED_SCORING_MAX_ELEMENTS = 1 << 18
 
 
