@@ -14,9 +14,10 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import tables  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 _CHILD = """
 import json, sys, time
@@ -53,22 +54,17 @@ def main(argv=None):
   parser.add_argument("--n", type=int, default=1000, help="points per sample")
   parser.add_argument("--markdown", default=None, help="also write the table here")
   args = parser.parse_args(argv)
-  lines = ["| D | N | process | first call s | second call s | TV |",
-           "|---|---|---|---|---|---|"]
-  print("\n".join(lines), flush=True)
+  table = tables.StreamedTable(["| D | N | process | first call s | second call s | TV |",
+                                 "|---|---|---|---|---|---|"], args.markdown)
   rows = []
   for dim in [int(d) for d in args.dims.split(",")]:
     with tempfile.TemporaryDirectory() as cache:
       for label in ("empty cache", "second process"):
         r = _child(dim, args.n, cache)
         rows.append(dict(dim=dim, n=args.n, process=label, **r))
-        line = (f"| {dim} | {args.n} | {label} | {r['first_s']:.2f} | {r['second_s']:.2f} "
-                f"| {r['tv']:.3f} |")
-        lines.append(line)
-        print(line, flush=True)
-  if args.markdown:
-    with open(args.markdown, "w") as f:
-      f.write(f"Date: {time.strftime('%Y-%m-%dT%H:%M:%S')}\n\n" + "\n".join(lines) + "\n")
+        table.add(f"| {dim} | {args.n} | {label} | {r['first_s']:.2f} | "
+                  f"{r['second_s']:.2f} | {r['tv']:.3f} |")
+  table.save()
   return rows
 
 

@@ -15,6 +15,7 @@ import time
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # pylint: disable=g-import-not-at-top
 import jax.numpy as jnp
@@ -22,6 +23,7 @@ import numpy as np
 
 from dpmm_jax import divergence as dv
 from experiments import divergence_problems as dp
+import tables  # pylint: disable=g-import-not-at-top,wrong-import-order
 
 # (chains, points per sample, D, burn-in, draws): the divergence notebook's quick
 # sanity and simulation shapes, and a larger one.
@@ -54,19 +56,15 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--markdown", default=None, help="also write the table here")
   args = parser.parse_args(argv)
-  lines = ["| chains | N | D | burn-in + draws | lower s | compile s | run s | "
-           "mean tv, hellinger, kl, alpha |", "|---|---|---|---|---|---|---|---|"]
-  print("\n".join(lines), flush=True)
+  table = tables.StreamedTable(
+      ["| chains | N | D | burn-in + draws | lower s | compile s | run s | "
+       "mean tv, hellinger, kl, alpha |", "|---|---|---|---|---|---|---|---|"], args.markdown)
   for chains, n, dim, burnin, samples in SHAPES:
     r = measure(chains, n, dim, burnin, samples)
-    line = (f"| {chains} | {n} | {dim} | {burnin} + {samples} | {r['lower_s']:.2f} | "
-            f"{r['compile_s']:.2f} | {r['run_s']:.2f} | "
-            f"{', '.join(f'{v:.6g}' for v in r['means'])} |")
-    lines.append(line)
-    print(line, flush=True)
-  if args.markdown:
-    with open(args.markdown, "w") as f:
-      f.write(f"Date: {time.strftime('%Y-%m-%dT%H:%M:%S')}\n\n" + "\n".join(lines) + "\n")
+    table.add(f"| {chains} | {n} | {dim} | {burnin} + {samples} | {r['lower_s']:.2f} | "
+              f"{r['compile_s']:.2f} | {r['run_s']:.2f} | "
+              f"{', '.join(f'{v:.6g}' for v in r['means'])} |")
+  table.save()
 
 
 if __name__ == "__main__":

@@ -13,9 +13,10 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import tables  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 _CHILD = """
 import json, sys, time
@@ -50,22 +51,18 @@ def main(argv=None):
   parser.add_argument("--models", default="diag,full,coupled", help="comma-separated models")
   parser.add_argument("--markdown", default=None, help="also write the table here")
   args = parser.parse_args(argv)
-  lines = ["| model | first scores, K = 2..8, s | total s | scorer programs | "
-           "warm score at K = 5, ms |", "|---|---|---|---|---|"]
-  print("\n".join(lines), flush=True)
+  table = tables.StreamedTable(["| model | first scores, K = 2..8, s | total s | "
+                                 "scorer programs | warm score at K = 5, ms |",
+                                 "|---|---|---|---|---|"], args.markdown)
   env = dict(os.environ, DPMM_JAX_COMPILATION_CACHE="0")
   env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
   for model in args.models.split(","):
     out = subprocess.run([sys.executable, "-c", _CHILD, model], env=env, check=True,
                          capture_output=True, text=True, timeout=1800)
     r = json.loads(out.stdout.strip().splitlines()[-1])
-    line = (f"| {model} | {' '.join(f'{v:.2f}' for v in r['firsts'])} | "
-            f"{sum(r['firsts']):.2f} | {r['programs']} | {r['warm_ms']:.3f} |")
-    lines.append(line)
-    print(line, flush=True)
-  if args.markdown:
-    with open(args.markdown, "w") as f:
-      f.write(f"Date: {time.strftime('%Y-%m-%dT%H:%M:%S')}\n\n" + "\n".join(lines) + "\n")
+    table.add(f"| {model} | {' '.join(f'{v:.2f}' for v in r['firsts'])} | "
+              f"{sum(r['firsts']):.2f} | {r['programs']} | {r['warm_ms']:.3f} |")
+  table.save()
 
 
 if __name__ == "__main__":
