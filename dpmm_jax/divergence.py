@@ -767,12 +767,13 @@ def draw_divergences(state: PartitionState, key, delta, alpha):
   return _divergences_from_log_masses(log_m[0], log_m[1], mask, alpha)
 
 
-@functools.partial(jax.jit, static_argnames=("config",))
 def run_chain(key, x, y, valid_x, valid_y, delta, sigma, alpha, config: Config) -> ChainOutput:
   """One co-BPM chain: burn-in, then S kept draws every ``thin`` steps (all in lax loops).
 
   Vmappable over keys (chains) and over (x, y, valid_x, valid_y) (pairs of samples padded to
-  common sizes).
+  common sizes). Compiled once per shape and per ``config`` less its burn-in and thinning:
+  those two are loop bounds of the compiled chain, so runs that differ only in them share
+  one program (``_chain``).
 
   Args:
     key: PRNG key.
@@ -782,38 +783,46 @@ def run_chain(key, x, y, valid_x, valid_y, delta, sigma, alpha, config: Config) 
     delta: Dirichlet concentration (1/2 in the paper).
     sigma: prior penalty per box (D + 1 in the paper).
     alpha: order of the alpha-divergence column.
-    config: static ``Config``.
+    config: ``Config`` (a Python value, not traced).
   Returns:
     ChainOutput.
   """
+  return _chain(key, x, y, valid_x, valid_y, delta, sigma, alpha, config.num_burnin,
+                config.thin, config._replace(num_burnin=0, thin=1))
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _chain(key, x, y, valid_x, valid_y, delta, sigma, alpha, num_burnin, thin,
+           config: Config) -> ChainOutput:
+  """``run_chain`` with the burn-in length and the thinning as traced () ints (the static
+  ``config``'s own are unused)."""
   delta = jnp.float32(delta)
   sigma = jnp.float32(sigma)
   alpha = jnp.float32(alpha)
+  num_burnin = jnp.asarray(num_burnin, jnp.int32)
+  thin = jnp.asarray(thin, jnp.int32)
   state = init_state(x, y, valid_x, valid_y, config.max_regions, delta, sigma)
   terms = count_terms(delta, state)
 
-  # The keys of every step and draw, derived as burn-in keys from k_burn and, for draw j,
-  # (thin step keys, draw key) from the j-th key of k_keep.
+  # Step t of the burn-in uses fold_in(k_burn, t); step t before draw j uses
+  # fold_in(step key of draw j, t) and the draw its own key: keys for any number of
+  # steps without a step-count-sized array.
   k_burn, k_keep = jax.random.split(key)
-  burn_keys = jax.random.split(k_burn, config.num_burnin)
   keep_pairs = jax.vmap(jax.random.split)(jax.random.split(k_keep, config.num_samples))
-  thin_keys = jax.vmap(lambda k: jax.random.split(k, config.thin))(keep_pairs[:, 0])
-  step_keys = jnp.concatenate(
-      [burn_keys, thin_keys.reshape((-1,) + thin_keys.shape[2:])])
   # Segment 0 is the burn-in (its draw is discarded), segment j >= 1 the thin steps before
   # draw j: one loop over segments holds a single copy of the MCMC step and of the draw,
   # which halves the compiled program against a burn-in loop beside a draw loop.
   seg = jnp.arange(config.num_samples + 1, dtype=jnp.int32)
-  seg_start = jnp.where(seg == 0, 0, config.num_burnin + (seg - 1) * config.thin)
-  seg_len = jnp.where(seg == 0, config.num_burnin, config.thin)
+  seg_len = jnp.where(seg == 0, num_burnin, thin)
+  step_base = jnp.concatenate([k_burn[None], keep_pairs[:, 0]])
   div_keys = jnp.concatenate([keep_pairs[:1, 1], keep_pairs[:, 1]])
 
   def segment(carry, xs):
-    start, length, k_div = xs
+    base, length, k_div = xs
 
     def body(t, c):
       s, n_acc = c
-      s, acc = mcmc_step(s, step_keys[start + t], x, y, config.kernel, terms, sigma,
+      s, acc = mcmc_step(s, jax.random.fold_in(base, t), x, y, config.kernel, terms, sigma,
                          config.double_moves)
       return s, n_acc + acc
 
@@ -822,11 +831,11 @@ def run_chain(key, x, y, valid_x, valid_y, delta, sigma, alpha, config: Config) 
     return carry, (draw_divergences(s, k_div, delta, alpha), s.num_regions)
 
   (state, n_acc), (divs, nreg) = lax.scan(segment, (state, jnp.int32(0)),
-                                          (seg_start, seg_len, div_keys))
+                                          (step_base, seg_len, div_keys))
   divs, nreg = divs[1:], nreg[1:]
   moves = 2 if (config.double_moves and config.max_regions >= 3) else 1
-  total = moves * (config.num_burnin + config.num_samples * config.thin)
-  return ChainOutput(divs, nreg, n_acc / jnp.float32(max(total, 1)), state)
+  total = moves * (num_burnin + config.num_samples * thin)
+  return ChainOutput(divs, nreg, n_acc / jnp.maximum(total, 1).astype(jnp.float32), state)
 
 
 # ------------------------------------------------------------------ diagnostics
