@@ -316,6 +316,20 @@ def test_estimate_pads_samples_so_nearby_sizes_share_one_compiled_chain():
   _, compiled = _programs_compiled(lambda: dv.estimate(
       x[:420], y[:390], "hellinger", key=jax.random.PRNGKey(1), **ESTIMATE_SETTINGS))
   assert compiled == 0
+  # So do other burn-in lengths and thinnings (loop bounds, not shapes), and they are
+  # honoured: without burn-in the first draw follows one step from the single box (a
+  # single move and a double move: at most 1 + 1 + 2 = 4 boxes); after 400 steps none is
+  # that small.
+  short, compiled = _programs_compiled(lambda: dv.estimate(
+      x[:400], y[:400], "hellinger", key=jax.random.PRNGKey(0),
+      **dict(ESTIMATE_SETTINGS, num_burnin=0)))
+  assert compiled == 0
+  assert np.all(np.asarray(short.num_regions)[:, 0] <= 4)
+  assert np.all(np.asarray(res.num_regions)[:, 0] > 4)
+  thinned, compiled = _programs_compiled(lambda: dv.estimate(
+      x[:400], y[:400], "hellinger", key=jax.random.PRNGKey(0),
+      **dict(ESTIMATE_SETTINGS, num_burnin=10, thin=3)))
+  assert compiled == 0 and thinned.samples.shape == res.samples.shape
 
 
 def test_disjoint_supports_give_tv_near_one():
