@@ -17,15 +17,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dpmm_jax import compilation_cache
 from dpmm_jax import compiler
 from dpmm_jax import eb_uncertainty
 from dpmm_jax import em
+from dpmm_jax import entry_points
 from dpmm_jax import precision
 from dpmm_jax import preprocess as preprocess_lib
 from dpmm_jax import scores as scores_lib
 from dpmm_jax import stats as stats_lib
-from dpmm_jax import threads
 from dpmm_jax import linalg
 from dpmm_jax import validation
 from dpmm_jax.models import coupled, diag, full, linear, lowrank, mahalanobis, tied
@@ -515,18 +514,6 @@ def _check_finite_params(det: "Detector"):
           "degenerate for it (see docs/failure_modes.md).")
 
 
-def _public_call(fn):
-  """Runs a public-API function with the BLAS pools limited (``threads.limited``),
-  jaxlib's per-load cache warning hidden (``compilation_cache.quiet_cache_loads``) and
-  every program it compiles stored (``compilation_cache.store_every_program``)."""
-  @functools.wraps(fn)
-  def wrapped(*args, **kwargs):
-    with threads.limited(), compilation_cache.quiet_cache_loads():
-      with compilation_cache.store_every_program():
-        return fn(*args, **kwargs)
-  return wrapped
-
-
 def _check_model(model, options):
   if not isinstance(model, str):
     raise TypeError(f"model must be a string naming one of {MODELS}, got {model!r}.")
@@ -657,7 +644,7 @@ def _fit_prepared(prep: _Prepared, model: str, key, standard_errors: bool, optio
 def _fit_with_info(x, y, model, *, num_classes, preprocess, num_components, chunk_size, key,
                    standard_errors, stacklevel: int, options):
   """``fit_detector_with_info``. ``stacklevel``: how many frames above this function's
-  caller the warnings name (2: a public function and its ``_public_call`` wrapper)."""
+  caller the warnings name (2: a public function and its ``entry_points.public_call`` wrapper)."""
   _check_model(model, options)
   if not isinstance(standard_errors, (bool, np.bool_)):
     raise TypeError(f"standard_errors must be True or False, got {standard_errors!r}.")
@@ -670,7 +657,7 @@ def _fit_with_info(x, y, model, *, num_classes, preprocess, num_components, chun
   return _fit_prepared(prep, model, key, standard_errors, options, stacklevel=stacklevel + 2)
 
 
-@_public_call
+@entry_points.public_call
 def fit_detector_with_info(x, y, model: str = "coupled", *, num_classes=None,
                            preprocess: bool = True, num_components=None,
                            chunk_size: int = 65536, key=None, standard_errors: bool = False,
@@ -683,13 +670,13 @@ def fit_detector_with_info(x, y, model: str = "coupled", *, num_classes=None,
 
   Warns with ``ConvergenceWarning`` when EM stops at ``max_iter`` before its tolerance.
   """
-  # Warnings point at the caller: past this function and _public_call's wrapper.
+  # Warnings point at the caller: past this function and public_call's wrapper.
   return _fit_with_info(x, y, model, num_classes=num_classes, preprocess=preprocess,
                         num_components=num_components, chunk_size=chunk_size, key=key,
                         standard_errors=standard_errors, stacklevel=2, options=options)
 
 
-@_public_call
+@entry_points.public_call
 def fit_detectors_with_info(x, y, models=DPMM_MODELS + ("rmds",), *, num_classes=None,
                             preprocess: bool = True, num_components=None,
                             chunk_size: int = 65536, key=None,
@@ -775,7 +762,7 @@ _COMMON_FIT_DEFAULTS = dict(num_classes=None, preprocess=True, num_components=No
 _COMMON_FIT_ARGS = tuple(_COMMON_FIT_DEFAULTS)
 
 
-@_public_call
+@entry_points.public_call
 def fit_detector(x, y, model: str = "coupled", **kwargs) -> "Detector":
   """Fits an OOD detector on training features.
 
@@ -980,26 +967,26 @@ def _evaluate_chunks(det: Detector, x, n: int, chunk_size: int, dtype, num_class
   return jnp.asarray(class_scores_), jnp.asarray(scores)
 
 
-@_public_call
+@entry_points.public_call
 def score(det: Detector, x, chunk_size: int = 2048):
   """(M,) OOD score, higher = more in-distribution (the DPMM score C~ for DPMM models)."""
   return _evaluate(det, x, chunk_size)[1]
 
 
-@_public_call
+@entry_points.public_call
 def class_scores(det: Detector, x, chunk_size: int = 2048):
   """(M, K) per-class scores (log N_k + log p(x | D_k) for DPMM models; -MD_k for MDS,
   RMD_k for RMDS; logits for MSP heads)."""
   return _evaluate(det, x, chunk_size)[0]
 
 
-@_public_call
+@entry_points.public_call
 def predict(det: Detector, x, chunk_size: int = 2048):
   """(M,) predicted class index."""
   return jnp.argmax(class_scores(det, x, chunk_size), axis=-1)
 
 
-@_public_call
+@entry_points.public_call
 def outlier_probability(det: Detector, x, alpha: float = 1.0, chunk_size: int = 2048):
   """(M,) p(y = K+1 | x) under the DPMM with concentration ``alpha`` (DPMM models only)."""
   _check_detector(det)

@@ -67,6 +67,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dpmm_jax import blocks
+from dpmm_jax import entry_points
 from dpmm_jax import linalg
 from dpmm_jax import precision
 from dpmm_jax import preprocess as preprocess_lib
@@ -658,6 +659,7 @@ def _to_model_space(det, x):
   return x
 
 
+@entry_points.public_call
 def discover(det, x_test, max_new_classes: int = 20, *, alpha: float = 1.0,
              gamma: Optional[float] = None, class_weights="train",
              known_strength: Optional[float] = None, novelty_prior=None,
@@ -717,6 +719,7 @@ def discover(det, x_test, max_new_classes: int = 20, *, alpha: float = 1.0,
                    info.elbo_trace, info.num_iters, info.converged, finals, det.transform)
 
 
+@entry_points.public_call
 def predict_proba(result: Discovery, x_new):
   """(M', J+T) collapsed predictive p(xi_new = k | test batch) for new points.
 

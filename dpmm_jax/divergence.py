@@ -77,6 +77,7 @@ import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
+from dpmm_jax import entry_points
 from dpmm_jax import precision
 from dpmm_jax import validation
 
@@ -959,6 +960,7 @@ def _pad_rows(a):
   return padded, np.arange(padded.shape[0]) < n
 
 
+@entry_points.public_call
 def estimate(X, Y, kind: str, *, key, alpha: Optional[float] = None, kernel: str = "data",
              num_chains: int = 4, num_burnin: int = 2000, num_samples: int = 1000,
              thin: int = 1, max_regions: int = 128, double_moves: bool = True,

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax.scipy import special as jsp
 from jax.scipy.linalg import cho_solve, solve_triangular
 
+from dpmm_jax import entry_points
 from dpmm_jax import linalg
 from dpmm_jax import lrvb
 from dpmm_jax import precision
@@ -186,6 +187,7 @@ def fit(prior: Prior, x, state: State, tol=1e-7, max_iter: int = 500):
   return s, CAVIInfo(tr, it, done)
 
 
+@entry_points.public_call
 def fit_gmm(x, num_components: int, *, key=None, prior: Prior = None, tol=1e-7,
             max_iter: int = 500, num_restarts: int = 1):
   """Validated one-call CAVI fit: k-means start(s), CAVI, best bound kept.

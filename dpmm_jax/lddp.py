@@ -74,6 +74,7 @@ import numpy as np
 from jax.scipy import special as jsp
 from jax.scipy.linalg import cho_solve
 
+from dpmm_jax import entry_points
 from dpmm_jax import precision
 from dpmm_jax import stats
 from dpmm_jax import validation
@@ -532,6 +533,7 @@ def _prepare(x, locations, num_clusters, key, inducing=None, num_inducing_per_di
   return args, static
 
 
+@entry_points.public_call
 def fit(x, locations, num_clusters: int, *, key, inducing=None, num_inducing_per_dim=None,
         concentration=1.0, amplitude=1.0, length_scale=0.1, jitter=None, tol=1e-5,
         max_iter: int = 500, max_step=1.0, update_field: bool = True, init_means=None,
@@ -566,6 +568,7 @@ def fit(x, locations, num_clusters: int, *, key, inducing=None, num_inducing_per
   return _fit_jit(*args, **static)
 
 
+@entry_points.public_call
 def compile_fit(x, locations, num_clusters: int, *, key, **options):
   """Ahead-of-time compiled ``fit``: returns a callable of no arguments giving the Result.
 
@@ -577,6 +580,7 @@ def compile_fit(x, locations, num_clusters: int, *, key, **options):
 
 
 # ------------------------------------------------------------------- prediction, usage
+@entry_points.public_call
 def predict(result: Result, x, locations):
   """(M, K) q(c = k | x, l) for new pairs: softmax(E log N(x | theta_k) + E log z_k + f_k(l)).
 

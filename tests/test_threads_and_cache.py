@@ -119,15 +119,29 @@ def test_the_test_suites_cache_setting_wins():
     assert jax.config.jax_compilation_cache_dir in (None, compilation_cache.enabled_dir())
 
 
-def test_a_warm_cache_loads_without_cpp_warnings(tmp_path):
+_WARM_CACHE_CODE = {
+    "api": ("import numpy as np, dpmm_jax\n"
+            "x = np.random.default_rng(0).normal(size=(200, 8)).astype(np.float32)\n"
+            "det = dpmm_jax.fit_detector(x, np.repeat(np.arange(4), 50), 'full')\n"
+            "print(dpmm_jax.score(det, x[:5]).shape)"),
+    # An entry point outside ``api`` (gmm, lddp, discovery and divergence share the
+    # wrapper: test_every_entry_point_runs_as_a_public_call).
+    "gmm": ("import numpy as np, jax\n"
+            "from dpmm_jax import gmm\n"
+            "x = np.random.default_rng(0).normal(size=(60, 2)).astype(np.float32)\n"
+            "state, info = gmm.fit_gmm(x, 3, key=jax.random.PRNGKey(0))\n"
+            "assert np.isfinite(float(info.elbo_trace[int(info.num_iters)]))\n"
+            "print((5,))"),
+}
+
+
+@pytest.mark.parametrize("entry", sorted(_WARM_CACHE_CODE))
+def test_a_warm_cache_loads_without_cpp_warnings(entry, tmp_path):
   """jaxlib logs one C++ warning per program loaded from the cache (and, on AMD Zen 4 with
-  jaxlib 0.9, two errors about tuning features); the public API hides them while it
-  runs: the second process's stderr is empty (it held four warnings before, and the
-  errors too on a Zen 4 machine)."""
-  code = ("import numpy as np, dpmm_jax\n"
-          "x = np.random.default_rng(0).normal(size=(200, 8)).astype(np.float32)\n"
-          "det = dpmm_jax.fit_detector(x, np.repeat(np.arange(4), 50), 'full')\n"
-          "print(dpmm_jax.score(det, x[:5]).shape)")
+  jaxlib 0.9, two errors about tuning features); the library's entry points hide them
+  while they run: the second process's stderr is empty (it held four warnings before,
+  and the errors too on a Zen 4 machine)."""
+  code = _WARM_CACHE_CODE[entry]
   env = {k: v for k, v in os.environ.items()
          if k not in ("JAX_COMPILATION_CACHE_DIR", "TF_CPP_MIN_LOG_LEVEL")}
   env.update({compilation_cache.ENV_VAR: str(tmp_path / "cache"),
@@ -142,6 +156,23 @@ def test_a_warm_cache_loads_without_cpp_warnings(tmp_path):
   run()                                                  # fills the cache
   assert os.listdir(tmp_path / "cache")
   assert run() == ""                                     # loads from it, silently
+
+
+def test_every_entry_point_runs_as_a_public_call():
+  """The one-call entry points named in ``entry_points`` run inside ``public_call``
+  (``fit_detectors`` through ``fit_detectors_with_info``)."""
+  from dpmm_jax import discovery, divergence, entry_points, gmm, lddp  # pylint: disable=g-import-not-at-top
+  wrapper = entry_points.public_call(lambda: None).__code__
+  entries = [dpmm_jax.fit_detector, dpmm_jax.fit_detector_with_info,
+             dpmm_jax.fit_detectors_with_info, dpmm_jax.score, dpmm_jax.class_scores,
+             dpmm_jax.predict, dpmm_jax.outlier_probability, divergence.estimate,
+             discovery.discover, discovery.predict_proba, lddp.fit, lddp.compile_fit,
+             lddp.predict, gmm.fit_gmm]
+  assert [f.__name__ for f in entries if f.__code__ is not wrapper] == []
+  for f in entries:
+    name = f.__name__ if f.__module__ == "dpmm_jax.api" else (
+        f"{f.__module__.split('.')[-1]}.{f.__name__}")
+    assert f"``{name}``" in entry_points.__doc__ or name.endswith("_with_info"), name
 
 
 def test_a_second_process_loads_every_program_the_public_api_compiled(tmp_path):
