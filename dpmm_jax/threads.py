@@ -14,10 +14,11 @@ user's own ``jax.jit(models.full.fit)`` (K = 200, D = 768), which the library do
 manage, took 14.4-16.7 s with nothing set against 11.1-11.7 s with
 ``OPENBLAS_NUM_THREADS=1`` (benchmarks/RESULTS.md, session 21).
 
-So the public API (``fit_detector``, ``score``, ``class_scores``, ``predict``,
-``outlier_probability``) runs with those pools limited to ONE thread (via
-``threadpoolctl``) and restores the caller's setting when it returns; the parallelism
-comes from XLA's pool. The limit is left alone (nothing is changed) when
+So the library's one-call entry points (``fit_detector``, ``score``, ``class_scores``,
+``predict``, ``outlier_probability``, ``divergence.estimate``, ``discovery.discover``,
+``lddp.fit``, ``gmm.fit_gmm``, ...: ``entry_points.public_call``) run with those pools
+limited to ONE thread (via ``threadpoolctl``) and restore the caller's setting when they
+return; the parallelism comes from XLA's pool. The limit is left alone (nothing is changed) when
 
 * the user has set ``OPENBLAS_NUM_THREADS``, ``OMP_NUM_THREADS``, ``GOTO_NUM_THREADS``,
   ``MKL_NUM_THREADS`` or ``BLIS_NUM_THREADS`` (their choice is respected);
