@@ -442,6 +442,13 @@ def _check_within_class(stats, model: str, preprocessed: bool, transform=None):
           f"{dim} ({cause}). Use {fix}, or model='diag', 'tied' or 'rmds'.")
 
 
+def _singletons_for_identical_classes(stats):
+  """``stats`` with each class of identical points as one point (``as_singletons``),
+  checked on the host first: the common case, no such class, compiles nothing."""
+  which = np.asarray(stats_lib.identical_classes(stats))
+  return stats_lib.as_singletons(stats, which) if which.any() else stats
+
+
 def _identical_classes_as_singletons(stats, model: str, stacklevel: int):
   """Fits each class whose N_k > 1 points are all identical as one point (warns).
 
@@ -477,7 +484,7 @@ def _few_shot_prepared(prep: "_Prepared", model: str, stacklevel: int) -> "_Prep
     return prep
   if "few_shot" not in prep.reduced:
     stats = prep.stats
-    stats = stats_lib.as_singletons(stats, stats_lib.identical_classes(stats))
+    stats = _singletons_for_identical_classes(stats)
     dof = _within_dof(stats)
     usable = 0
     if dof < _FEW_SHOT_RATIO * stats.dim and _flat_directions(stats).size:
@@ -572,7 +579,7 @@ def _prepare(x, y, *, num_classes, preprocess, num_components, chunk_size, full:
                                 finite_checked=True)
     validation.finite_stats(raw)
     if not msp:
-      raw = stats_lib.as_singletons(raw, stats_lib.identical_classes(raw))
+      raw = _singletons_for_identical_classes(raw)
     transform = preprocess_lib.fit(raw, num_components)
   # The rows' values were checked while they were read (by the first pass when there is
   # a transform); a transform of finite rows that overflows shows in finite_stats.

@@ -474,11 +474,14 @@ def trace_length(max_iter: int) -> int:
   return length
 
 
-@functools.partial(compiler.jit, static_argnames=("size",))
-def _trim(info: EMInfo, size: int) -> EMInfo:
-  cut = lambda a: None if a is None else a[:size]
+def _cut_traces(info: EMInfo, cut) -> EMInfo:
   return info._replace(log_marginal_trace=cut(info.log_marginal_trace),
                        step_kind=cut(info.step_kind), magnitude_trace=cut(info.magnitude_trace))
+
+
+@functools.partial(compiler.jit, static_argnames=("size",))
+def _trim(info: EMInfo, size: int) -> EMInfo:
+  return _cut_traces(info, lambda a: None if a is None else a[:size])
 
 
 def jit_fit(fit_hyper: Callable, params_from_hyper: Callable, static_argnames=()):
@@ -557,4 +560,8 @@ def run_jitted_fit(jitted_fit: Callable, stats, *, max_iter: int,
       kept = jax.tree_util.tree_map(lambda a: jnp.asarray(np.asarray(a)[:num_classes]),
                                     per_class_params)
     params = params._replace(**kept)
-  return params, _trim(info, max_iter + 1)
+  if any(isinstance(a, jax.core.Tracer) for a in jax.tree_util.tree_leaves(info)):
+    return params, _trim(info, max_iter + 1)
+  # Concrete traces are cut on the host: no program to compile for a cold fit.
+  return params, _cut_traces(
+      info, lambda a: None if a is None else jnp.asarray(np.asarray(a)[:max_iter + 1]))

@@ -85,7 +85,7 @@ def fit(stats: stats_lib.SufficientStats, num_components: Optional[int] = None,
   """
   dtype = stats.sq_dev.dtype
   rtol = linalg.default_rtol(dtype) if rtol is None else rtol
-  values, vectors, floor, mean = _total_spectrum(stats, jnp.asarray(rtol, dtype))
+  values, vectors, floor, mean = _total_spectrum(stats, np.asarray(rtol, dtype))  # no eager op
   keep = int(np.sum(np.asarray(values) > np.asarray(floor)))
   if num_components is not None:
     keep = min(keep, int(num_components))

@@ -211,6 +211,27 @@ def test_from_chunks_with_uneven_chunks_and_rechunking():
   _assert_stats_close(got, *_numpy_stats(x, y, K))
 
 
+@pytest.mark.parametrize("full", [True, False])
+def test_from_chunks_of_one_chunk_runs_one_program(full):
+  """A single chunk (every problem of up to chunk_size rows) is summarised by the fused
+  ``from_labels`` program, not by the streaming zeros / update / symmetrisation, with
+  the same statistics as the stream over several chunks (and as numpy)."""
+  x, y = _data(seed=11, n=211)
+  streaming = stats_lib._update_jit._cache_size()
+  one = stats_lib.from_chunks([(x, y)], K, full=full, chunk_size=256)
+  assert stats_lib._update_jit._cache_size() == streaming
+  several = stats_lib.from_chunks([(x[:100], y[:100]), (x[100:], y[100:])], K, full=full,
+                                  chunk_size=128)
+  count, mean, scatter, sq_dev, pooled = _numpy_stats(x, y, K)
+  _assert_stats_close(one, count, mean, scatter if full else None, sq_dev, pooled)
+  assert (one.scatter is None) == (not full)
+  for field in ("count", "mean", "sq_dev", "scatter", "pooled_scatter"):
+    a, b = getattr(one, field), getattr(several, field)
+    assert (a is None) == (b is None), field
+    if a is not None:
+      np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5, err_msg=field)
+
+
 def test_from_chunks_skips_the_finite_check_only_when_told():
   x, y = _data(seed=8, n=40)
   x = x.copy()
