@@ -613,14 +613,21 @@ def identical_classes(stats: SufficientStats):
   sq_dev_kd / N_k <= (8 eps |mean_kd|)^2. One compiled program serves statistics with or
   without the (K, D, D) and (D, D) scatters: it reads only count, mean and sq_dev.
   """
-  return _identical_classes(stats.count, stats.mean, stats.sq_dev)
+  arrays = (stats.count, stats.mean, stats.sq_dev)
+  if any(isinstance(a, jax.core.Tracer) for a in arrays):
+    return _identical_classes(*arrays)
+  # Concrete statistics (K, D) are tested on the host: no program for a cold fit.
+  return _identical_in(np, *(np.asarray(a) for a in arrays))
 
 
-@compiler.jit
-def _identical_classes(count, mean, sq_dev):
-  eps = jnp.finfo(mean.dtype).eps
-  bound = count[:, None] * (8.0 * eps * jnp.abs(mean)) ** 2
-  return (count > 1) & jnp.all(sq_dev <= bound, axis=-1)
+def _identical_in(xp, count, mean, sq_dev):
+  """``identical_classes`` with the array module ``xp`` (numpy or jax.numpy)."""
+  eps = xp.finfo(mean.dtype).eps
+  bound = count[:, None] * (8.0 * eps * xp.abs(mean)) ** 2
+  return (count > 1) & xp.all(sq_dev <= bound, axis=-1)
+
+
+_identical_classes = compiler.jit(functools.partial(_identical_in, jnp))
 
 
 @compiler.jit
