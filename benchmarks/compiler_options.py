@@ -120,7 +120,7 @@ def _other_programs(rng):
   valid = jnp.asarray(np.arange(size) < 300)
   config = divergence.Config(max_regions=64, num_burnin=1000, num_samples=500)
   keys = jax.random.split(jax.random.PRNGKey(0), 4)
-  chain = divergence.run_chain.__wrapped__
+  chain = divergence.run_chain      # a plain function: jitted whole here, config static
   variants = [jax.vmap(jax.jit(chain, static_argnames="config", **kw),
                        in_axes=(0,) + (None,) * 8)
               for kw in ({}, {"compiler_options": compiler.CPU_COMPILER_OPTIONS})]

@@ -535,7 +535,8 @@ def _check_model(model, options):
 
 
 # N D^2 up to which the model-space statistics pass also sums the pooled scatter (see
-# ``_prepare``): 2^28, about 3 ms of products on a 2-core CPU.
+# ``_prepare``): 2^29 flops of products, 2-4 ms at the 135-260 GFLOP/s a plain X^T X
+# reached at D = 64-128 on a 2-core CPU (benchmarks/RESULTS.md, session 23).
 _SHARED_STATS_PROGRAM_MAX_ND2 = 1 << 28
 
 
@@ -888,10 +889,9 @@ def _padded_for_scoring(det: Detector, num_rows: int) -> Detector:
   if fields is None or num_rows * num_classes * det.input_dim > compiler.SMALL_PROBLEM_ELEMENTS:
     return det
   per_class = {f: getattr(det.params, f) for f in fields}
-  leaves = jax.tree_util.tree_leaves(per_class)
-  if any(isinstance(a, jax.core.Tracer) for a in leaves):
+  if compiler.is_traced(per_class):
     return det
-  elements = sum(int(np.prod(np.shape(a)[1:])) for a in leaves)
+  elements = sum(int(np.prod(np.shape(a)[1:])) for a in jax.tree_util.tree_leaves(per_class))
   padded = em.padded_num_classes(num_classes, elements)
   if padded == num_classes or padded * elements > _PADDED_SCORING_MAX_ELEMENTS:
     return det

@@ -99,6 +99,12 @@ def _compiled_on_its_own() -> bool:
     return False
 
 
+def is_traced(*trees) -> bool:
+  """Whether any leaf of ``trees`` is a jax tracer: the call runs inside ``jit``,
+  ``vmap``, ``grad``, ..., where values (and host-side shortcuts) are unavailable."""
+  return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(trees))
+
+
 def is_small(args) -> bool:
   """Whether the array leaves of ``args`` (any pytree) hold at most
   ``SMALL_PROBLEM_ELEMENTS`` elements together."""

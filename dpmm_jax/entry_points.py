@@ -23,13 +23,13 @@ import functools
 import jax
 
 from dpmm_jax import compilation_cache
+from dpmm_jax import compiler
 from dpmm_jax import threads
 
 
 def _wait_for_arrays(out):
-  leaves = jax.tree_util.tree_leaves(out)
-  if not any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
-    for leaf in leaves:
+  if not compiler.is_traced(out):
+    for leaf in jax.tree_util.tree_leaves(out):
       if isinstance(leaf, jax.Array):
         leaf.block_until_ready()
   return out

@@ -614,7 +614,7 @@ def identical_classes(stats: SufficientStats):
   without the (K, D, D) and (D, D) scatters: it reads only count, mean and sq_dev.
   """
   arrays = (stats.count, stats.mean, stats.sq_dev)
-  if any(isinstance(a, jax.core.Tracer) for a in arrays):
+  if compiler.is_traced(arrays):
     return _identical_classes(*arrays)
   # Concrete statistics (K, D) are tested on the host: no program for a cold fit.
   return _identical_in(np, *(np.asarray(a) for a in arrays))

@@ -114,10 +114,6 @@ def _gamma_chunk(key, index, shape_params, dtype):
     return jax.random.gamma(jax.random.fold_in(key, index), shape_params, dtype=dtype)
 
 
-def _is_traced(*values) -> bool:
-    return any(isinstance(v, jax.core.Tracer) for v in values)
-
-
 def _standard_normal(key: jax.Array, size: int, dtype):
     """``size`` i.i.d. N(0, 1) variates, shape (size,); see the note above.
 
@@ -127,7 +123,7 @@ def _standard_normal(key: jax.Array, size: int, dtype):
     dtype = jnp.dtype(dtype)
     chunk = _chunk_size(size)
     num_chunks = max(1, -(-size // chunk))
-    if _is_traced(key):
+    if compiler.is_traced(key):
         draws = jax.lax.map(lambda i: _normal_chunk(key, i, chunk=chunk, dtype=dtype),
                             jnp.arange(num_chunks))
         return draws.ravel()[:size]
@@ -147,7 +143,7 @@ def _standard_gamma(key: jax.Array, shape_params, dtype):
     size = int(np.prod(shape, dtype=np.int64))
     chunk = _chunk_size(size)
     num_chunks = max(1, -(-size // chunk))
-    if _is_traced(key, shape_params):
+    if compiler.is_traced(key, shape_params):
         padded = jnp.ones((num_chunks * chunk,), dtype)
         padded = padded.at[:size].set(jnp.asarray(shape_params, dtype).ravel())
         draws = jax.lax.map(lambda args: _gamma_chunk(key, *args, dtype=dtype),

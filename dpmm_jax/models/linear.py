@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from dpmm_jax import compiler
 from dpmm_jax import precision
 
 __all__ = [
@@ -95,10 +96,6 @@ class LinearFitInfo(NamedTuple):
 # validation helpers (eager; they skip only what is unknowable under tracing)
 # ----------------------------------------------------------------------------
 
-def _is_traced(v) -> bool:
-    return isinstance(v, jax.core.Tracer)
-
-
 def _check_static_int(name: str, value, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise ValueError(f"{name} must be a Python int, got {value!r} "
@@ -110,7 +107,7 @@ def _check_static_int(name: str, value, minimum: int) -> int:
 
 def _check_scalar(name: str, value, *, positive: bool) -> None:
     """Checks a (possibly traced) float hyperparameter when it is concrete."""
-    if _is_traced(value):
+    if compiler.is_traced(value):
         return
     arr = np.asarray(value)
     if arr.ndim != 0:
@@ -158,13 +155,13 @@ def _validate_fit_inputs(x, y, num_classes, num_steps, batch_size,
     if y_dtype == jnp.bool_ or not jnp.issubdtype(y_dtype, jnp.integer):
         raise ValueError(f"y must hold integer class labels, got dtype {y_dtype}.")
 
-    if not _is_traced(y):
+    if not compiler.is_traced(y):
         y_np = np.asarray(y)
         lo, hi = int(y_np.min()), int(y_np.max())
         if lo < 0 or hi >= num_classes:
             raise ValueError(f"labels must lie in [0, num_classes={num_classes}), got "
                              f"labels in [{lo}, {hi}].")
-    if not _is_traced(x):
+    if not compiler.is_traced(x):
         x_np = np.asarray(x)
         if jnp.issubdtype(x_np.dtype, jnp.floating) and not np.all(np.isfinite(x_np)):
             raise ValueError("x contains non-finite values (nan or inf).")
