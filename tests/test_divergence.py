@@ -446,10 +446,12 @@ def test_rescale_maps_into_unit_cube():
 
 
 def test_experiment_binary_smoke(tmp_path):
-  """The binary's sanity part at a tiny size: results, Markdown and figure are written."""
+  """The binary's sanity part at a tiny size: results, Markdown and figure are written.
+  (The sample size and number of draws are the divergence notebook's quick ones, so the
+  suite compiles their chain once for both; the burn-in is a loop bound.)"""
   from experiments import divergence as experiment  # pylint: disable=g-import-not-at-top
-  res = experiment.run(str(tmp_path), quick=True, parts=("sanity",), sanity_n=60,
-                       burnin=10, samples=5)
+  res = experiment.run(str(tmp_path), quick=True, parts=("sanity",), sanity_n=150,
+                       burnin=10, samples=20)
   assert set(res["sanity"]) == {"uniform_mixture", "nested_partitions"}
   for name in ("divergence_sanity.json", "divergence_sanity.md", "divergence_sanity.png"):
     assert (tmp_path / name).exists()
