@@ -129,9 +129,10 @@ def test_kmeans_and_grid_helpers():
 
 def test_experiment_smoke(tmp_path):
   out = str(tmp_path)
-  # Photo and scene have the same size and every K0 is 2: two compilations (f and f = 0).
-  res = lddp_exp.run(out, seeds=(0,), scene_size=12, num_segments=2, photo_size=12,
-                     photo_clusters=(2,), photos=("china.jpg",), big_k=2, max_iter=4)
+  # Photo and scene have the same size and every K0 is 3: two compilations (f and f = 0),
+  # the lddp notebook's quick ones, so the suite compiles them once for both.
+  res = lddp_exp.run(out, seeds=(0,), scene_size=16, num_segments=3, photo_size=16,
+                     photo_clusters=(3,), photos=("china.jpg",), big_k=3, max_iter=15)
   assert len(res["records"]) == len(lddp_exp.METHODS)
   assert all(0.0 <= r["rand_index"] <= 1.0 for r in res["records"])
   for name in ("lddp_synthetic.json", "lddp_photos.json", "lddp_synthetic_runs.csv",
