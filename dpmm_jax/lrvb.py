@@ -147,9 +147,12 @@ def _newton(objective, params, args, num_steps):
       _, new_value, new_grad, _, it = c
       return ~better(new_value, new_grad) & (it < 10)
 
-    first = value_and_grad(x + d)
-    _, new_value, new_grad, new_x, _ = jax.lax.while_loop(
-        worse, halve, (jnp.ones((), x.dtype),) + first + (x + d, jnp.array(0, jnp.int32)))
+    # The loop's first pass evaluates the full step x + d (scale 2 halved: 0.5 * 2 * d
+    # is d exactly), so the program holds one copy of value_and_grad in the loop and
+    # one for the start, not a third for the full step.
+    start = (jnp.full((), 2.0, x.dtype), jnp.full((), -jnp.inf, value.dtype),
+             jnp.zeros_like(grad), x, jnp.array(-1, jnp.int32))
+    _, new_value, new_grad, new_x, _ = jax.lax.while_loop(worse, halve, start)
     accept = better(new_value, new_grad)
     return (jnp.where(accept, new_x, x), jnp.where(accept, new_value, value),
             jnp.where(accept, new_grad, grad))
