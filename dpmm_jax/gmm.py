@@ -169,21 +169,27 @@ def fit(prior: Prior, x, state: State, tol=1e-7, max_iter: int = 500):
   Returns:
     (State, CAVIInfo).
   """
-  l0 = elbo(state, prior, x)
-  trace = jnp.full((max_iter + 1,), jnp.nan, l0.dtype).at[0].set(l0)
+  dtype = jax.eval_shape(elbo, state, prior, x).dtype
+  trace = jnp.full((max_iter + 1,), jnp.nan, dtype)
 
   def cond(c):
-    return (c[3] < max_iter) & ~c[4]
+    return ((c[3] < max_iter) | c[5]) & ~c[4]
 
   def body(c):
-    s, value, tr, it, _ = c
-    new = m_step(prior, x, responsibilities(s, x))
+    # The first pass keeps the initial state (one sweep computed and dropped) and records
+    # its bound: the compiled loop holds the only copy of the bound's code.
+    s, value, tr, it, _, first = c
+    swept = m_step(prior, x, responsibilities(s, x))
+    new = jax.tree_util.tree_map(lambda a, b: jnp.where(first, a, b), s, swept)
     new_value = elbo(new, prior, x)
-    done = jnp.abs(new_value - value) <= tol * jnp.maximum(1.0, jnp.abs(new_value))
-    return new, new_value, tr.at[it + 1].set(new_value), it + 1, done
+    done = ~first & (jnp.abs(new_value - value)
+                     <= tol * jnp.maximum(1.0, jnp.abs(new_value)))
+    it = jnp.where(first, it, it + 1)
+    return new, new_value, tr.at[it].set(new_value), it, done, jnp.array(False)
 
-  s, _, tr, it, done = jax.lax.while_loop(
-      cond, body, (state, l0, trace, jnp.array(0, jnp.int32), jnp.array(False)))
+  s, _, tr, it, done, _ = jax.lax.while_loop(
+      cond, body, (state, jnp.array(jnp.nan, dtype), trace, jnp.array(0, jnp.int32),
+                   jnp.array(False), jnp.array(True)))
   return s, CAVIInfo(tr, it, done)
 
 
