@@ -85,3 +85,24 @@ def test_large_offsets_without_preprocessing_score_like_centred_features(offset)
   scale = np.abs(want).max()
   eps = np.finfo(np.float32).eps
   np.testing.assert_allclose(got, want, rtol=0, atol=2 * eps * max(offset, 1e2) * scale)
+
+
+def test_rank_caps_share_one_compiled_em():
+  """The EM of the hyperparameters does not depend on max_rank: fits with other caps
+  reuse its program (only the predictives compile again), and every cap gets the same
+  hyperparameters, the full model's."""
+  from dpmm_jax import stats as stats_lib   # pylint: disable=g-import-not-at-top
+  from dpmm_jax.models import full, lowrank   # pylint: disable=g-import-not-at-top
+  x, y, *_ = _data()
+  st = stats_lib.from_labels(x[:, :7], y, K)              # a dimension private to this test
+  hyper_before = lowrank._fit_hyper._cache_size()
+  params_before = lowrank._params_from_hyper._cache_size()
+  fits = [lowrank.fit(st, max_rank=r) for r in (1, 2, 3)]
+  assert lowrank._fit_hyper._cache_size() - hyper_before == 1
+  assert lowrank._params_from_hyper._cache_size() - params_before == 3
+  reference, _ = full.fit(st)
+  for params, info in fits:
+    assert bool(info.converged)
+    for got, want in zip(params.hyper, reference.hyper):
+      np.testing.assert_array_equal(got, want)
+  assert [p.factors.shape[1] for p, _ in fits] == [1, 2, 3]

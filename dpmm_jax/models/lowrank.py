@@ -28,7 +28,6 @@ Limits: ``edge_scale = 0`` and ``max_rank = D`` give the full model's predictive
 ``max_rank = 0`` gives classes whose covariance comes from the prior alone (their means
 and the mean-shrinkage still come from the data).
 """
-import functools
 from typing import NamedTuple
 
 import jax
@@ -138,13 +137,22 @@ def params_from_hyper(hyper: full.Hyper, stats, max_rank: int = DEFAULT_MAX_RANK
                 prior_scale, prior_df, prior_log_normalizer, jnp.log(stats.count))
 
 
-@functools.partial(compiler.jit, static_argnames=("trace_length", "max_rank"))
+# Two programs: the full model's EM, which does not depend on the rank cap (one
+# compilation serves every max_rank), and the low-rank predictives, one per max_rank.
+_fit_hyper = compiler.jit(full.fit_hyper, static_argnames=("trace_length",))
+_params_from_hyper = compiler.jit(params_from_hyper, static_argnames=("max_rank",))
+
+
 def _fit(stats, *, df, mean_concentration, tol, max_iter, df_cap, accelerate, max_rank,
          edge_scale, trace_length):
-  hyper, info = full.fit_hyper(stats, df=df, mean_concentration=mean_concentration, tol=tol,
-                               max_iter=max_iter, df_cap=df_cap, accelerate=accelerate,
-                               trace_length=trace_length)
-  return params_from_hyper(hyper, stats, max_rank, edge_scale), info
+  hyper, info = _fit_hyper(stats, df=df, mean_concentration=mean_concentration, tol=tol,
+                           max_iter=max_iter, df_cap=df_cap, accelerate=accelerate,
+                           trace_length=trace_length)
+  return _params_from_hyper(hyper, stats, max_rank, edge_scale), info
+
+
+_fit._cache_size = lambda: (  # pylint: disable=protected-access
+    _fit_hyper._cache_size() + _params_from_hyper._cache_size())
 
 
 def fit(stats, *, df=None, mean_concentration=None, tol=1e-6, max_iter=100, df_cap=1e6,
@@ -154,7 +162,8 @@ def fit(stats, *, df=None, mean_concentration=None, tol=1e-6, max_iter=100, df_c
   Args:
     stats: full statistics (the (K, D, D) scatter is needed).
     df, mean_concentration, tol, max_iter, df_cap, accelerate: as ``full.fit``.
-    max_rank: most directions kept per class (static; default 32).
+    max_rank: most directions kept per class (default 32; static for the predictives
+      only: fits with other caps reuse the compiled EM).
     edge_scale: multiplies the noise edge (default 1; 0 keeps the top ``max_rank``
       directions of every class whatever their size).
   Returns:
