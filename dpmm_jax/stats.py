@@ -549,7 +549,7 @@ def pad_classes(stats: SufficientStats, num_classes: int) -> SufficientStats:
     if a is None:
       return None
     widths = [(0, extra)] + [(0, 0)] * (jnp.ndim(a) - 1)
-    if isinstance(a, jax.core.Tracer):
+    if compiler.is_traced(a):
       return jnp.pad(a, widths)
     return jnp.asarray(np.pad(np.asarray(a), widths))    # a transfer, not a program
 

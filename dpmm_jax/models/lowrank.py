@@ -151,6 +151,7 @@ def _fit(stats, *, df, mean_concentration, tol, max_iter, df_cap, accelerate, ma
   return _params_from_hyper(hyper, stats, max_rank, edge_scale), info
 
 
+# Programs compiled so far, like a jitted fit's ``_cache_size`` (tests count them).
 _fit._cache_size = lambda: (  # pylint: disable=protected-access
     _fit_hyper._cache_size() + _params_from_hyper._cache_size())
 
