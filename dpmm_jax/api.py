@@ -208,9 +208,6 @@ class FitReport(NamedTuple):
     return tuple(out)
 
 
-_coupled_mode = compiler.jit(coupled.posterior_mode)
-
-
 def _diagnostics(model: str, params, stats) -> Optional[Dict[str, bool]]:
   """Flags assembled from the fitted hyperparameters (hierarchical models only)."""
   if model not in _HIERARCHICAL:
@@ -231,7 +228,7 @@ def _diagnostics(model: str, params, stats) -> Optional[Dict[str, bool]]:
     flags["rank_capped"] = bool(np.any(
         np.asarray(params.num_spikes) > params.factors.shape[1]))
   if model == "coupled":
-    mode, _, converged = _coupled_mode(hyper, stats)
+    mode, _, converged = coupled.posterior_mode(hyper, stats)
     flags["mode_search_not_converged"] = not bool(np.all(np.asarray(converged)))
     flags["mode_clipped"] = bool(np.any(np.abs(np.asarray(mode)) >= coupled.U_BOUND))
   return flags

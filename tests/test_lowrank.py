@@ -96,10 +96,10 @@ def test_rank_caps_share_one_compiled_em():
   x, y, *_ = _data()
   st = stats_lib.from_labels(x[:, :7], y, K)              # a dimension private to this test
   hyper_before = lowrank._fit_hyper._cache_size()
-  params_before = lowrank._params_from_hyper._cache_size()
+  params_before = lowrank.params_from_hyper._cache_size()
   fits = [lowrank.fit(st, max_rank=r) for r in (1, 2, 3)]
   assert lowrank._fit_hyper._cache_size() - hyper_before == 1
-  assert lowrank._params_from_hyper._cache_size() - params_before == 3
+  assert lowrank.params_from_hyper._cache_size() - params_before == 3
   reference, _ = full.fit(st)
   for params, info in fits:
     assert bool(info.converged)

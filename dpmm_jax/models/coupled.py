@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from dpmm_jax import blocks
+from dpmm_jax import compiler
 from dpmm_jax import precision
 from dpmm_jax import validation as checks
 from dpmm_jax import em
@@ -107,6 +108,7 @@ def _data_part(hyper: Hyper, stats):
   return base.df * base.scale_sq, base.df
 
 
+@compiler.jit
 def posterior_mode(hyper: Hyper, stats):
   """(mode (K,), laplace_scale (K,), converged ()) of the log posterior of u = log gamma_k."""
   data, nu_post = _data_part(hyper, stats)
@@ -253,6 +255,7 @@ def fit_hyper(stats, *, df=None, mean_concentration=None, gamma_shape=None, tol=
                 trace_length=trace_length)
 
 
+@functools.partial(compiler.jit, static_argnames=("options",))
 def params_from_hyper(hyper: Hyper, stats, options=QuadratureOptions()) -> Params:
   # One mode search serves the class grid and the per-point path's constants.
   mode, width, _ = posterior_mode(hyper, stats)
@@ -860,6 +863,7 @@ def _prior_pseudo_classes(params: Params, num_nodes: int):
   return jax.tree_util.tree_map(chunk0_last, (inputs, share, tail))
 
 
+@functools.partial(compiler.jit, static_argnames=("differentiable",))
 def log_predictive(params: Params, x, differentiable: bool = False):
   """(class (M, K) log p(x | D_k), prior (M,) log p(x)).
 
@@ -903,6 +907,7 @@ def log_predictive(params: Params, x, differentiable: bool = False):
   return lp[:, num_chunks:], jnp.where(prior_density_is_infinite(params, x), jnp.inf, prior_lp)
 
 
+@compiler.jit
 def log_predictive_exact(params: Params, x):
   """Every class (and the prior) summed over all its fixed grid nodes, for every point:
   the reference of the series expansion for points on the grids. Not a reference for

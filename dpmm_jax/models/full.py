@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jax.scipy.linalg import cho_solve, eigh_tridiagonal, solve_triangular
 
 from dpmm_jax import blocks
+from dpmm_jax import compiler
 from dpmm_jax import linalg
 from dpmm_jax import precision
 from dpmm_jax import special
@@ -405,6 +406,7 @@ def scoring_flops(num_points: int, num_classes: int, dim: int) -> float:
   return per_class * (num_classes + 1)
 
 
+@compiler.jit
 def log_predictive(params: Params, x, inverse: Optional[InverseFactors] = None):
   """(class (M, K) log p(x | D_k), prior (M,) log p(x)).
 

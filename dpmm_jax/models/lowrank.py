@@ -28,6 +28,7 @@ Limits: ``edge_scale = 0`` and ``max_rank = D`` give the full model's predictive
 ``max_rank = 0`` gives classes whose covariance comes from the prior alone (their means
 and the mean-shrinkage still come from the data).
 """
+import functools
 from typing import NamedTuple
 
 import jax
@@ -88,6 +89,7 @@ def noise_edge(count, dim: int):
   return (jnp.sqrt(jnp.maximum(count - 1.0, 0.0)) + jnp.sqrt(jnp.asarray(dim, count.dtype))) ** 2
 
 
+@functools.partial(compiler.jit, static_argnames=("max_rank",))
 @precision.float32_matmuls
 def params_from_hyper(hyper: full.Hyper, stats, max_rank: int = DEFAULT_MAX_RANK,
                       edge_scale=1.0) -> Params:
@@ -138,9 +140,9 @@ def params_from_hyper(hyper: full.Hyper, stats, max_rank: int = DEFAULT_MAX_RANK
 
 
 # Two programs: the full model's EM, which does not depend on the rank cap (one
-# compilation serves every max_rank), and the low-rank predictives, one per max_rank.
+# compilation serves every max_rank), and the low-rank predictives (``params_from_hyper``,
+# jitted itself), one per max_rank.
 _fit_hyper = compiler.jit(full.fit_hyper, static_argnames=("trace_length",))
-_params_from_hyper = compiler.jit(params_from_hyper, static_argnames=("max_rank",))
 
 
 def _fit(stats, *, df, mean_concentration, tol, max_iter, df_cap, accelerate, max_rank,
@@ -148,12 +150,12 @@ def _fit(stats, *, df, mean_concentration, tol, max_iter, df_cap, accelerate, ma
   hyper, info = _fit_hyper(stats, df=df, mean_concentration=mean_concentration, tol=tol,
                            max_iter=max_iter, df_cap=df_cap, accelerate=accelerate,
                            trace_length=trace_length)
-  return _params_from_hyper(hyper, stats, max_rank, edge_scale), info
+  return params_from_hyper(hyper, stats, max_rank, edge_scale), info
 
 
 # Programs compiled so far, like a jitted fit's ``_cache_size`` (tests count them).
 _fit._cache_size = lambda: (  # pylint: disable=protected-access
-    _fit_hyper._cache_size() + _params_from_hyper._cache_size())
+    _fit_hyper._cache_size() + params_from_hyper._cache_size())
 
 
 def fit(stats, *, df=None, mean_concentration=None, tol=1e-6, max_iter=100, df_cap=1e6,
