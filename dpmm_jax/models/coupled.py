@@ -189,11 +189,13 @@ def _log_marginal_terms_from(hyper: Hyper, stats, e: EStep):
   return stats_lib.nonempty_terms(stats.count, quadrature.log_integral(e.grid, e.log_joint))
 
 
+@functools.partial(compiler.jit, static_argnames=("options",))
 def log_marginal_terms(hyper: Hyper, stats, options=QuadratureOptions()):
   """(K,) log p(X_k | hyper), integrated over log gamma_k on the class grid."""
   return _log_marginal_terms_from(hyper, stats, e_step(hyper, stats, options))
 
 
+@functools.partial(compiler.jit, static_argnames=("options",))
 def log_marginal_likelihood(hyper: Hyper, stats, options=QuadratureOptions()):
   return jnp.sum(log_marginal_terms(hyper, stats, options))
 

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from dpmm_jax import blocks
+from dpmm_jax import compiler
 from dpmm_jax import precision
 from dpmm_jax import validation as checks
 from dpmm_jax import em
@@ -95,6 +96,7 @@ def em_step(hyper: Hyper, stats, *, df_cap=1e6):
   return hyper._replace(df=df, mean_concentration=kappa0), info
 
 
+@compiler.jit
 def log_marginal_terms(hyper: Hyper, stats):
   """(K, D) log p(X_{k,d} | hyper), each cancellation-free (``nix.log_evidence``).
 
@@ -104,6 +106,7 @@ def log_marginal_terms(hyper: Hyper, stats):
   return nix.log_evidence(_prior(hyper), stats.count, stats.mean, stats.sq_dev)
 
 
+@compiler.jit
 def log_marginal_likelihood(hyper: Hyper, stats):
   return jnp.sum(log_marginal_terms(hyper, stats))
 
@@ -136,6 +139,7 @@ def fit_hyper(stats, *, df=None, mean_concentration=None, tol=1e-6, max_iter=100
                 trace_length=trace_length)
 
 
+@compiler.jit
 def params_from_hyper(hyper: Hyper, stats) -> Params:
   df, loc, scale_sq = nix.predictive(_posterior(hyper, stats))
   return Params(hyper, df, loc, scale_sq, jnp.log(stats.count))
@@ -195,6 +199,7 @@ def t_terms_block(x, terms: TTerms):
   return terms.const[None] - jnp.sum(terms.half_df1[None] * jnp.log1p(z), -1)
 
 
+@compiler.jit
 def log_predictive(params: Params, x):
   """(class (M, K) log p(x | D_k), prior (M,) log p(x)).
 

@@ -123,6 +123,7 @@ def em_step(hyper: Hyper, stats, *, df_cap=1e6, newton_tol=1e-6, newton_max_iter
                  newton_max_iter)
 
 
+@compiler.jit
 def log_marginal_likelihood(hyper: Hyper, stats):
   """log p(X | y, hyper) summed over classes (paper 13.4)."""
   return jnp.sum(stats_lib.nonempty_terms(stats.count, _class_terms(hyper, stats)[2]))
@@ -315,6 +316,7 @@ def fit_hyper(stats, *, df=None, mean_concentration=None, tol=1e-6, max_iter=100
                 trace_length=trace_length)
 
 
+@compiler.jit
 def params_from_hyper(hyper: Hyper, stats) -> Params:
   """Predictive Student-t of every class (computed one class block at a time)."""
   prior = _prior(hyper)

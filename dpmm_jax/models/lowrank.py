@@ -186,6 +186,7 @@ def scoring_flops(num_points: int, num_classes: int, dim: int, max_rank: int) ->
   return 2.0 * num_points * dim * (dim + num_classes * (1 + max_rank))
 
 
+@compiler.jit
 @precision.float32_matmuls
 def log_predictive(params: Params, x):
   """(class (M, K) log p(x | D_k), prior (M,) log p(x)).

@@ -39,6 +39,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from dpmm_jax import compiler
 from dpmm_jax import linalg
 from dpmm_jax import precision
 from dpmm_jax import special
@@ -129,6 +130,7 @@ def _diag_gaussian_log_density(z, mean, var):
 
 
 @precision.float32_matmuls
+@compiler.jit
 def log_predictive(params: Params, x):
   """(class (M, K) log p(x | D_k), prior (M,) log p(x))."""
   z = (x - params.loc) @ params.basis
