@@ -309,6 +309,7 @@ def prior_params(priors: Priors) -> Params:
 
 
 # ---------------------------------------------------------------------------- CAVI
+@functools.partial(jax.jit, static_argnames=("max_iter",))
 def fit(params0: Params, y, priors: Priors, *, tol=1e-6, max_iter: int = 500):
   """CAVI from ``params0`` until the relative ELBO change is below ``tol``.
 
@@ -423,6 +424,7 @@ def initial_labels(key, y, priors: Priors):
   return jnp.where(novel, num_known + clusters, z)
 
 
+@jax.jit
 def init_params(key, y, priors: Priors) -> Params:
   """Detector initialisation: ``initial_labels`` then the M-step of their one-hot phi."""
   z = initial_labels(key, y, priors)

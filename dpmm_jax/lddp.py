@@ -65,6 +65,7 @@ Reconstruction notes (the paper's equations are missing; choices made here):
   * The paper's delta q(f) has no entropy; the GP normaliser -1/2 log|2 pi K| is a
     constant and is left out of the reported bound.
 """
+import functools
 import math
 from typing import NamedTuple, Optional
 
@@ -173,6 +174,7 @@ def default_num_per_dim(num_points: int, loc_dim: int, fraction: float = 0.05) -
 
 # ----------------------------------------------------------------------------- k-means
 @precision.float32_matmuls
+@functools.partial(jax.jit, static_argnames=("num_clusters", "num_iters"))
 def kmeans(x, num_clusters: int, key, num_iters: int = 20):
   """(K, D) k-means centres: k-means++ seeding then ``num_iters`` Lloyd iterations.
 

@@ -10,6 +10,8 @@ import pytest
 import dpmm_jax
 from dpmm_jax import api
 from dpmm_jax import compiler
+from dpmm_jax import discovery
+from dpmm_jax import lddp
 from dpmm_jax import stats as stats_lib
 from dpmm_jax.models import coupled, diag, full, lowrank, tied
 
@@ -180,10 +182,13 @@ def small_fits():
        + 3 * rng.normal(size=(k, d))[y]).astype(np.float32)
   diag_stats = stats_lib.from_labels(jnp.asarray(x), jnp.asarray(y), k, full=False)
   full_stats = stats_lib.from_labels(jnp.asarray(x), jnp.asarray(y), k)
+  priors = discovery.priors_from_detector(dpmm_jax.fit_detector(x, y, "diag"), 3)
   return dict(coupled=(coupled.fit(diag_stats)[0], diag_stats),
               diag=(diag.fit(diag_stats)[0], diag_stats),
               full=(full.fit(full_stats)[0], full_stats), tied=tied.fit(full_stats),
-              lowrank=lowrank.fit(full_stats)[0], x=jnp.asarray(x[:20]))
+              lowrank=lowrank.fit(full_stats)[0], x=jnp.asarray(x[:20]),
+              priors=priors, discovery_init=jax.tree_util.tree_map(
+                  np.asarray, discovery.init_params(jax.random.key(1), x[:20], priors)))
 
 
 _EAGER_CALLS = {
@@ -208,12 +213,17 @@ _EAGER_CALLS = {
     "lowrank.log_predictive": lambda f: lowrank.log_predictive(f["lowrank"], f["x"]),
     "lowrank.params_from_hyper":
         lambda f: lowrank.params_from_hyper(f["full"][0].hyper, f["full"][1]),
+    # The CAVI loop of novelty discovery and LDDP's k-means initialisation.
+    "discovery.init_params":
+        lambda f: discovery.init_params(jax.random.key(0), f["x"], f["priors"]),
+    "discovery.fit": lambda f: discovery.fit(f["discovery_init"], f["x"], f["priors"]),
+    "lddp.kmeans": lambda f: lddp.kmeans(f["x"], 3, jax.random.key(0)),
 }
 
 
 @pytest.mark.parametrize("name", sorted(_EAGER_CALLS))
 def test_an_eager_call_of_a_model_function_compiles_one_program_once(name, small_fits):
-  """The models' functions are jitted themselves: called outside ``jit``, the first call
+  """The models' functions (and discovery's and LDDP's loops) are jitted themselves: called outside ``jit``, the first call
   compiles one program (not one per operation: 26-192 of them before, 1.1-10.7 s at
   K = 5, D = 15) and the second call at the same shapes lowers nothing (a loop that
   closes over its arguments, a Newton search or a loop over blocks of classes, was traced
