@@ -223,11 +223,12 @@ _EAGER_CALLS = {
 
 @pytest.mark.parametrize("name", sorted(_EAGER_CALLS))
 def test_an_eager_call_of_a_model_function_compiles_one_program_once(name, small_fits):
-  """The models' functions (and discovery's and LDDP's loops) are jitted themselves: called outside ``jit``, the first call
-  compiles one program (not one per operation: 26-192 of them before, 1.1-10.7 s at
-  K = 5, D = 15) and the second call at the same shapes lowers nothing (a loop that
-  closes over its arguments, a Newton search or a loop over blocks of classes, was traced
-  and compiled again at every call: 2.3 s per ``coupled.log_predictive`` call)."""
+  """The models' functions (and discovery's and LDDP's loops) are jitted themselves:
+  called outside ``jit``, the first call compiles one program (not one per operation: up
+  to 192 of them before, up to 10.7 s at K = 5, D = 15; benchmarks/RESULTS.md, session 30)
+  and the second call at the same shapes lowers nothing (a loop that closes over its
+  arguments, a Newton search or a loop over blocks of classes, was traced and compiled
+  again at every call: 2.3 s per ``coupled.log_predictive`` call)."""
   call = functools.partial(_EAGER_CALLS[name], small_fits)
   assert _lowerings_during(call) <= 1      # 0 when an earlier test compiled it already
   assert _lowerings_during(call) == 0
